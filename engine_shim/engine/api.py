@@ -1,0 +1,186 @@
+"""The embedded engine's public domain types: what the shim (and tests) see of the engine.
+
+Imports no gRPC and no torch, so the shim's validation and the router-facing conversions can
+depend on it without loading a model. The engine core (`llm_engine.LLMEngine`) and its async
+adapter (`async_engine.AsyncEngine`) speak only these types.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class EngineError(Exception):
+    """Base of the domain errors. Each maps to exactly one gRPC status code in the shim."""
+
+
+class InvalidRequestError(EngineError):
+    """The caller sent something invalid (bad window, bad token id, bad sampling value)."""
+
+
+class NotFoundError(EngineError):
+    """A request id the engine does not know (e.g. abort of an unknown id is NOT an error)."""
+
+
+class AlreadyExistsError(InvalidRequestError):
+    """A request id that is already active in the engine."""
+
+
+class FailedPreconditionError(EngineError):
+    """The call is valid on its own but not in the current state (e.g. incompatible KV)."""
+
+
+class ResourceExhaustedError(EngineError):
+    """Not enough KV pages / queue space to accept the request now."""
+
+
+class UnavailableError(EngineError):
+    """The engine is shutting down or otherwise cannot serve."""
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    PREEMPT = "preempt"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. Defaults follow OpenAI (temperature 1, top_p 1)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables top-k
+    max_tokens: int | None = None  # None: up to the context length
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: bool = False
+    top_logprobs: int = 0  # alternatives per position when logprobs is set (0..20)
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class TopLogprob:
+    token_id: int
+    token: str
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New output of one choice of one request since the previous Delta.
+
+    `text` is complete UTF-8 (never half a character); `finish_reason` is set on the last
+    Delta of the choice. Stop strings are already cut from `text`.
+    """
+
+    index: int
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache or a transfer
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerateOutput:
+    """One step's worth of output for a request: deltas (one per choice that advanced) and,
+    once every choice has finished, the usage."""
+
+    request_id: str
+    deltas: tuple[Delta, ...]
+    usage: Usage | None = None
+
+    @property
+    def is_finished(self) -> bool:
+        return self.usage is not None
+
+
+@dataclass(frozen=True)
+class PrepRecvResult:
+    """What prep_recv reserved on the receiver.
+
+    `kv_segments` are MLC's `kv_append_metadata` integer list for one model:
+    `[n_segments, begin_1, len_1, ...]` with absolute slot indices
+    (`page_id * page_size + offset`); segment lengths sum to `end - prefix_matched_length`.
+    """
+
+    request_id: str
+    end: int  # normalised (non-negative) window end
+    prefix_matched_length: int
+    kv_segments: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything a receiver must agree on before it accepts KV bytes from a sender."""
+
+    model_fingerprint: str
+    dtype: str  # e.g. "float32", "bfloat16"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+
+
+@dataclass(frozen=True)
+class KVChunk:
+    """KV of the token positions [begin, begin + num_tokens) of a request.
+
+    `data` is a contiguous CPU tensor of shape [num_layers, 2, num_tokens, num_kv_heads,
+    head_dim] (2 = key, value) in the layout's dtype, typed `object` here so this module
+    needs no torch.
+    """
+
+    begin: int
+    num_tokens: int
+    data: object
+
+
+@dataclass(frozen=True)
+class PrefixCacheStats:
+    num_queries: int
+    num_query_tokens: int
+    num_hit_tokens: int
+    num_cached_pages: int  # pages currently held by the prefix cache (referenced or evictable)
+    num_evictable_pages: int
+
+
+@dataclass(frozen=True)
+class EngineStatus:
+    model_id: str
+    model_fingerprint: str
+    kv_layout: KVLayout
+    num_running_requests: int
+    num_waiting_requests: int
+    num_free_pages: int  # free pages incl. evictable prefix-cache pages
+    num_total_pages: int
+    num_reserved_requests: int  # prep_recv reservations awaiting start_generate
+    max_context_length: int
+    prefix_cache: PrefixCacheStats

@@ -1,0 +1,44 @@
+"""The `microserving` console script: dispatches a subcommand to the service that owns it.
+
+Each service keeps its own CLI (`<package>.cli:main(argv)`); this module only maps names to
+them and imports lazily, so `microserving gateway` never loads torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "shim": ("engine_shim.cli", "run a gRPC engine shim (embedded or MLC backend)"),
+    "mlc-compat": ("engine_shim.mlc_compat.cli", "serve the embedded engine over MLC's HTTP wire format"),
+    "router": ("router.cli", "run the gRPC router"),
+    "gateway": ("gateway.cli", "run the OpenAI HTTP gateway"),
+    "up": ("gateway.up", "start a whole local stack: shims, router and gateway"),
+    "bench": ("bench.cli", "benchmark an OpenAI-compatible server"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: microserving <command> [options]", "", "commands:"]
+    lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if not args or args[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = args[0], args[1:]
+    if name not in SUBCOMMANDS:
+        print(f"microserving: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(SUBCOMMANDS[name][0])
+    result = module.main(rest)
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
