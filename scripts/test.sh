@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# The one test command (README and CI): sets up everything the tests need on a fresh
+# machine, then runs the proto lint, ruff, mypy and the test suite. Extra arguments go to
+# pytest (e.g. `scripts/test.sh -m unit`).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv="${VENV:-.venv}"
+[ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+"$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
+"$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]"
+for dir in tools examples/node; do
+  if [ -f "$dir/package-lock.json" ]; then
+    (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+done
+export PATH="$PWD/$venv/bin:$PATH"
+
+echo "== buf lint"
+tools/node_modules/.bin/buf lint
+echo "== ruff"
+ruff check .
+echo "== mypy"
+mypy microserving engine_shim router gateway bench
+echo "== pytest"
+status=0
+pytest -q "$@" || status=$?
+# Exit code 5 means the selection held no tests: not a failure of the code under test.
+if [ "$status" -eq 5 ]; then status=0; fi
+exit "$status"

@@ -1,0 +1,25 @@
+"""Project-wide test configuration: default marker, GPU skipping, and a clean environment."""
+
+from __future__ import annotations
+
+import pytest
+
+_LEVELS = ("unit", "integration", "e2e", "gpu")
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests without a level marker are unit tests; gpu tests are skipped without CUDA."""
+    skip_gpu = None if _has_cuda() else pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if not any(item.get_closest_marker(level) for level in _LEVELS):
+            item.add_marker(pytest.mark.unit)
+        if skip_gpu is not None and item.get_closest_marker("gpu"):
+            item.add_marker(skip_gpu)
