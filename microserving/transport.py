@@ -163,7 +163,7 @@ def create_channel(
     if settings.tls_server_name:
         options.append(("grpc.ssl_target_name_override", settings.tls_server_name))
     if not settings.is_tls:
-        interceptors = [TokenClientInterceptor(settings.token)] if settings.token else []
+        interceptors: list[Any] = [TokenClientInterceptor(settings.token)] if settings.token else []
         return aio.insecure_channel(address, options=options, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(settings.tls_ca),
