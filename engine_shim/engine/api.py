@@ -39,6 +39,15 @@ class UnavailableError(EngineError):
     """The engine is shutting down or otherwise cannot serve."""
 
 
+class PreemptedError(ResourceExhaustedError):
+    """A remote_send job (or other disaggregated work) was preempted for lack of KV pages;
+    the caller should re-run the whole flow, as MLC's router does on finish_reason preempt."""
+
+
+class RequestAbortedError(FailedPreconditionError):
+    """The request was aborted (by abort() or a reservation's TTL) while a call awaited it."""
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"

@@ -1,0 +1,78 @@
+"""Attention over the paged KV cache.
+
+A step's tokens are flattened into one batch of T tokens from B sequences. Each sequence
+contributes `q_len` query tokens at positions [ctx_len - q_len, ctx_len) and reads keys/values
+of positions [0, ctx_len) from the cache through its slot list (absolute slot indices derived
+from its block table). This is the gather-based reference path: correct on any device, one
+sequence at a time so a sequence's numbers do not depend on what else is in the batch. A fused
+CUDA paged-attention kernel would replace `paged_attention` and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SeqAttnInfo:
+    q_start: int  # offset of the sequence's first query token in the flat batch
+    q_len: int
+    ctx_len: int  # keys/values visible to the last query token (incl. the new ones)
+    kv_slots: torch.Tensor  # [ctx_len] int64 absolute slots of positions 0..ctx_len-1
+
+
+@dataclass
+class AttnContext:
+    """Everything attention needs for one forward pass, shared by all layers."""
+
+    slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
+    seqs: list[SeqAttnInfo]
+    sliding_window: int | None = None
+
+
+def write_kv(
+    k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    # k_cache, v_cache: [num_slots, Hkv, D]; k, v: [T, Hkv, D]
+    k_cache.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, Hq, D] -> out: [T, Hq, D]; K/V of the new tokens are already in the cache."""
+    out = torch.empty_like(q)
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    for seq in ctx.seqs:
+        q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)  # [Hq, q_len, D]
+        k = k_cache.index_select(0, seq.kv_slots).transpose(0, 1)  # [Hkv, ctx, D]
+        v = v_cache.index_select(0, seq.kv_slots).transpose(0, 1)
+        if group > 1:
+            k = k.repeat_interleave(group, dim=0)  # [Hq, ctx, D]
+            v = v.repeat_interleave(group, dim=0)
+        mask = _causal_mask(seq, ctx.sliding_window, q.device)
+        o = F.scaled_dot_product_attention(
+            q_seq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+        )
+        out[seq.q_start : seq.q_start + seq.q_len] = o.transpose(0, 1)
+    return out
+
+
+def _causal_mask(
+    seq: SeqAttnInfo, sliding_window: int | None, device: torch.device
+) -> torch.Tensor | None:
+    if seq.q_len == 1 and (sliding_window is None or seq.ctx_len <= sliding_window):
+        return None  # one query sees every cached key: no mask needed
+    q_pos = torch.arange(seq.ctx_len - seq.q_len, seq.ctx_len, device=device)[:, None]
+    k_pos = torch.arange(seq.ctx_len, device=device)[None, :]
+    mask = k_pos <= q_pos  # [q_len, ctx]
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask

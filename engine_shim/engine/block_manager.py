@@ -1,0 +1,141 @@
+"""The KV page pool's bookkeeping: free pages, reference counts, and the prefix cache.
+
+A page id p owns slots [p * page_size, (p + 1) * page_size) of the KV tensors. A sequence's
+block table lists its pages in position order, so position i lives at slot
+`table[i // page_size] * page_size + i % page_size`. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from .api import PrefixCacheStats
+from .prefix_cache import PrefixCache, chain_hashes
+
+
+def num_pages_for(num_tokens: int, page_size: int) -> int:
+    return -(-num_tokens // page_size)
+
+
+def slots_for_positions(
+    block_table: Sequence[int], page_size: int, begin: int, end: int
+) -> list[int]:
+    return [block_table[i // page_size] * page_size + i % page_size for i in range(begin, end)]
+
+
+def slot_segments(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """Merge slots into (begin, length) runs of consecutive slots, MLC's kv_append_metadata."""
+    segments: list[tuple[int, int]] = []
+    for slot in slots:
+        if segments and segments[-1][0] + segments[-1][1] == slot:
+            segments[-1] = (segments[-1][0], segments[-1][1] + 1)
+        else:
+            segments.append((slot, 1))
+    return segments
+
+
+class BlockManager:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
+        self.num_total_pages = num_pages
+        self.page_size = page_size
+        self._free: list[int] = list(range(num_pages))  # a min-heap: low ids first, so
+        heapq.heapify(self._free)  # fresh allocations tend to be contiguous slot runs
+        self._ref_counts = [0] * num_pages
+        self._cache = PrefixCache() if enable_prefix_cache else None
+
+    # ---- capacity ----
+    @property
+    def num_free_pages(self) -> int:
+        """Pages an allocation can get now: never used plus evictable cached pages."""
+        evictable = self._cache.num_evictable_pages if self._cache else 0
+        return len(self._free) + evictable
+
+    def can_allocate(self, num_pages: int) -> bool:
+        return num_pages <= self.num_free_pages
+
+    def allocate(self, num_pages: int) -> list[int]:
+        if not self.can_allocate(num_pages):
+            raise RuntimeError("allocate() beyond num_free_pages; call can_allocate first")
+        pages = [self._take_one() for _ in range(num_pages)]
+        for page in pages:
+            self._ref_counts[page] = 1
+        return pages
+
+    def _take_one(self) -> int:
+        if self._free:
+            return heapq.heappop(self._free)
+        if self._cache is None:
+            raise RuntimeError("no free page")
+        page = self._cache.evict_lru()
+        if page is None:
+            raise RuntimeError("no free page")
+        return page
+
+    # ---- sharing ----
+    def acquire_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+        """Take references on the cached pages holding the longest page-aligned prefix of
+        token_ids[:max_tokens]; returns those pages (matched tokens = len * page_size)."""
+        if self._cache is None:
+            return []
+        pages: list[int] = []
+        num_full = max_tokens // self.page_size
+        for page_hash in chain_hashes(token_ids, self.page_size, num_full):
+            page = self._cache.lookup(page_hash)
+            if page is None:
+                break
+            pages.append(page)
+        self.share(pages)
+        return pages
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        if self._cache is not None:
+            self._cache.record_query(num_query_tokens, num_hit_tokens)
+
+    def share(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            if self._ref_counts[page] == 0 and self._cache is not None:
+                self._cache.mark_in_use(page)
+            self._ref_counts[page] += 1
+
+    def ref_count(self, page: int) -> int:
+        return self._ref_counts[page]
+
+    # ---- release ----
+    def release(
+        self, block_table: Sequence[int], token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+    ) -> None:
+        """Drop one reference on every page of a sequence. Full pages whose KV is computed for
+        token_ids[:num_computed_tokens] are first offered to the prefix cache."""
+        if self._cache is not None and num_computed_tokens >= self.page_size:
+            self._register(block_table, token_ids, num_computed_tokens)
+        for page in block_table:
+            self._drop_ref(page)
+
+    def _register(
+        self, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int
+    ) -> None:
+        if self._cache is None:
+            return
+        num_full = min(num_computed_tokens // self.page_size, len(block_table))
+        for page, page_hash in zip(
+            block_table, chain_hashes(token_ids, self.page_size, num_full), strict=False
+        ):
+            if not self._cache.is_cached(page):
+                self._cache.insert(page_hash, page)
+
+    def _drop_ref(self, page: int) -> None:
+        if self._ref_counts[page] <= 0:
+            raise RuntimeError(f"page {page} released more often than acquired")
+        self._ref_counts[page] -= 1
+        if self._ref_counts[page] > 0:
+            return
+        if self._cache is not None and self._cache.is_cached(page):
+            self._cache.mark_evictable(page)
+        else:
+            heapq.heappush(self._free, page)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        if self._cache is None:
+            return PrefixCacheStats(0, 0, 0, 0, 0)
+        return self._cache.stats()

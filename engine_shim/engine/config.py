@@ -1,0 +1,198 @@
+"""Engine configuration as data: the model's architecture (ModelConfig, with named presets or
+read from a Hugging Face config.json) and the engine's knobs (EngineConfig)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from microserving.tokenizer import BYTE_SPECIAL_TOKENS
+
+BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama-3 style frequency-dependent RoPE scaling (`rope_type == "llama3"`)."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    sliding_window: int | None = None  # Mistral / Qwen2 with use_sliding_window
+    init_std: float = 0.02  # only for seeded random weights (presets)
+
+    @property
+    def num_parameters(self) -> int:
+        h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
+        q = self.num_heads * self.head_dim
+        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.attention_bias else 0)
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * per_layer + embed + h
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Fast on a laptop CPU: 4 layers, GQA 4 query / 2 KV heads, byte vocabulary.
+    "tiny": ModelConfig(
+        architecture="llama",
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        # Larger than HF's 0.02 so the random model's logits are peaked: greedy argmax
+        # then has wide margins and batched vs alone runs agree token for token.
+        init_std=0.1,
+    ),
+    # ~100M parameters, for benchmarks.
+    "llama-100m": ModelConfig(
+        architecture="llama",
+        vocab_size=BYTE_VOCAB_SIZE,
+        hidden_size=768,
+        intermediate_size=2048,
+        num_layers=16,
+        num_heads=12,
+        num_kv_heads=4,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        tie_word_embeddings=True,
+        init_std=0.05,
+    ),
+}
+
+
+def model_config_from_hf(path: Path) -> ModelConfig:
+    """Read a Hugging Face config.json (Llama, Qwen2 or Mistral)."""
+    raw: dict[str, Any] = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    model_type = str(raw.get("model_type", ""))
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {SUPPORTED_ARCHITECTURES}"
+        )
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    sliding = raw.get("sliding_window")
+    if model_type == "qwen2" and not raw.get("use_sliding_window", False):
+        sliding = None
+    return ModelConfig(
+        architecture=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_theta(raw)),
+        rope_scaling=_rope_scaling(raw),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=model_type == "qwen2" or bool(raw.get("attention_bias", False)),
+        sliding_window=int(sliding) if sliding else None,
+    )
+
+
+def _rope_params(raw: dict[str, Any]) -> dict[str, Any]:
+    # transformers 5 nests RoPE settings under `rope_parameters`; 4.x uses `rope_scaling`.
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return params if isinstance(params, dict) else {}
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    return float(raw.get("rope_theta") or _rope_params(raw).get("rope_theta") or 10000.0)
+
+
+def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
+    params = _rope_params(raw)
+    rope_type = params.get("rope_type") or params.get("type")
+    if rope_type in (None, "default"):
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"unsupported rope scaling {rope_type!r} (supported: llama3)")
+    return RopeScaling(
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+    )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny"  # a preset name (MODEL_PRESETS) or a local HF directory
+    device: str = "cpu"
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    page_size: int = 16  # tokens per KV page
+    num_pages: int | None = None  # None: derive from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256
+    max_num_seqs: int = 64  # running sequences per step
+    prefill_chunk_size: int = 512  # prompt tokens computed per step, over all sequences
+    enable_prefix_cache: bool = True
+    reservation_ttl_s: float = 30.0  # prep_recv reservations not followed up are reclaimed
+    seed: int = 0  # weights of presets and the default sampling generator
+    kv_export_chunk_tokens: int = 256  # remote_send hands KV over in chunks of this many tokens
+    max_context_length: int | None = None  # None: the model's max_position_embeddings
+    extra: dict[str, str] = field(default_factory=dict)  # reserved; must stay empty
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.page_size < 1:
+            raise ValueError("page_size must be >= 1")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise ValueError("num_pages must be >= 1")
+        if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:
+            raise ValueError("max_num_seqs and prefill_chunk_size must be >= 1")
+        if self.kv_export_chunk_tokens < 1:
+            raise ValueError("kv_export_chunk_tokens must be >= 1")
+        if self.extra:
+            raise ValueError(f"unknown engine options: {sorted(self.extra)}")
+
+    def with_overrides(self, **changes: Any) -> EngineConfig:
+        return replace(self, **changes)
+
+
+def resolve_model_config(name_or_dir: str) -> ModelConfig:
+    if name_or_dir in MODEL_PRESETS:
+        return MODEL_PRESETS[name_or_dir]
+    path = Path(name_or_dir)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"unknown model {name_or_dir!r}: not a preset {tuple(MODEL_PRESETS)} "
+            "and not a directory holding config.json"
+        )
+    return model_config_from_hf(path)

@@ -1,0 +1,44 @@
+"""The KV tensors of the page pool and the slot-level copies that move KV in and out.
+
+kv: [num_layers, 2 (key, value), num_pages * page_size, num_kv_heads, head_dim]. A slot is
+one token position of one page (`page_id * page_size + offset`), the unit MLC's
+kv_append_metadata speaks in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from .config import ModelConfig
+
+
+class KVCache:
+    def __init__(
+        self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
+        device: str,
+    ) -> None:
+        self.num_slots = num_pages * page_size
+        shape = (config.num_layers, 2, self.num_slots, config.num_kv_heads, config.head_dim)
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+        element = torch.empty((), dtype=dtype).element_size()
+        return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
+
+    def export_slots(self, slots: Sequence[int]) -> torch.Tensor:
+        """-> [num_layers, 2, n, num_kv_heads, head_dim], a contiguous CPU copy."""
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.kv.device)
+        return self.kv.index_select(2, index).to("cpu").contiguous()
+
+    def import_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
+        # data: [num_layers, 2, n, num_kv_heads, head_dim]
+        index = torch.tensor(list(slots), dtype=torch.int64, device=self.kv.device)
+        self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
+
+    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
+        if not src:
+            return
+        self.import_slots(dst, self.kv.index_select(2, torch.tensor(list(src), device=self.kv.device)))

@@ -1,0 +1,83 @@
+"""Page-granular prefix cache: maps the chain hash of every full page of tokens to the page
+that holds its KV. Pages here may be referenced (in use by a sequence) or evictable (ref
+count 0, kept in LRU order until the pool needs them). Plain Python, no torch."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+
+from .api import PrefixCacheStats
+
+
+def chain_hashes(token_ids: Sequence[int], page_size: int, num_pages: int) -> Iterator[bytes]:
+    """Hash of page i covers tokens[0 : (i+1)*page_size], so equal hashes mean equal prefixes
+    (and equal positions), which is what makes the KV reusable."""
+    prev = b""
+    for i in range(num_pages):
+        page_tokens = array("q", token_ids[i * page_size : (i + 1) * page_size])
+        prev = hashlib.blake2b(prev + page_tokens.tobytes(), digest_size=16).digest()
+        yield prev
+
+
+class PrefixCache:
+    def __init__(self) -> None:
+        self._page_by_hash: dict[bytes, int] = {}
+        self._hash_by_page: dict[int, bytes] = {}
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.num_queries = 0
+        self.num_query_tokens = 0
+        self.num_hit_tokens = 0
+
+    @property
+    def num_cached_pages(self) -> int:
+        return len(self._hash_by_page)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return len(self._evictable)
+
+    def lookup(self, page_hash: bytes) -> int | None:
+        return self._page_by_hash.get(page_hash)
+
+    def is_cached(self, page: int) -> bool:
+        return page in self._hash_by_page
+
+    def insert(self, page_hash: bytes, page: int) -> bool:
+        """Register a full page; False if the hash (or the page) is already cached."""
+        if page_hash in self._page_by_hash or page in self._hash_by_page:
+            return False
+        self._page_by_hash[page_hash] = page
+        self._hash_by_page[page] = page_hash
+        return True
+
+    def mark_evictable(self, page: int) -> None:
+        self._evictable[page] = None
+        self._evictable.move_to_end(page)
+
+    def mark_in_use(self, page: int) -> None:
+        self._evictable.pop(page, None)
+
+    def evict_lru(self) -> int | None:
+        """Forget the least recently released unreferenced page and return it for reuse."""
+        if not self._evictable:
+            return None
+        page, _ = self._evictable.popitem(last=False)
+        del self._page_by_hash[self._hash_by_page.pop(page)]
+        return page
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.num_queries += 1
+        self.num_query_tokens += num_query_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def stats(self) -> PrefixCacheStats:
+        return PrefixCacheStats(
+            num_queries=self.num_queries,
+            num_query_tokens=self.num_query_tokens,
+            num_hit_tokens=self.num_hit_tokens,
+            num_cached_pages=self.num_cached_pages,
+            num_evictable_pages=self.num_evictable_pages,
+        )

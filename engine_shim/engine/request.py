@@ -1,0 +1,131 @@
+"""Per-request generation state: one Choice per `n`, each with its sequence, generator,
+incremental detokenizer and stop-string matcher, turned into Deltas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from microserving.tokenizer import IncrementalDecoder, Tokenizer
+
+from .api import Delta, FinishReason, SamplingParams, TokenLogprob, TopLogprob, Usage
+from .sampler import SampledToken
+from .sequence import Sequence
+
+
+@dataclass(eq=False)
+class Choice:
+    index: int
+    seq: Sequence
+    generator: torch.Generator
+    decoder: IncrementalDecoder
+    finish_reason: FinishReason | None = None
+    text: str = ""  # detokenized output, cut at a stop string
+    num_sent_chars: int = 0
+    pending_token_ids: list[int] = field(default_factory=list)
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    is_reported_finished: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(eq=False)
+class GenerateRequest:
+    request_id: str
+    sampling: SamplingParams
+    max_tokens: int
+    num_prompt_tokens: int
+    stop_token_ids: frozenset[int]
+    choices: list[Choice]
+    is_forked: bool = False
+
+    @property
+    def is_finished(self) -> bool:
+        return len(self.choices) == self.sampling.n and all(c.is_finished for c in self.choices)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=sum(c.seq.num_output_tokens for c in self.choices),
+            cached_tokens=self.choices[0].seq.num_cached_tokens,
+        )
+
+
+def add_token(
+    request: GenerateRequest, choice: Choice, sampled: SampledToken, tokenizer: Tokenizer
+) -> None:
+    """Record a sampled token (already appended to the sequence) and decide if it finishes."""
+    token_id = sampled.token_id
+    choice.pending_token_ids.append(token_id)
+    if sampled.logprob is not None:
+        choice.pending_logprobs.append(_to_logprob(sampled, tokenizer))
+    if token_id in request.stop_token_ids:
+        _finish(choice, FinishReason.STOP)
+        return
+    choice.text += choice.decoder.feed([token_id])
+    if _cut_at_stop_string(choice, request.sampling.stop):
+        _finish(choice, FinishReason.STOP, flush=False)
+    elif choice.seq.num_output_tokens >= request.max_tokens:
+        _finish(choice, FinishReason.LENGTH)
+
+
+def finish_choice(choice: Choice, reason: FinishReason) -> None:
+    if not choice.is_finished:
+        _finish(choice, reason)
+
+
+def take_delta(choice: Choice, stop: tuple[str, ...]) -> Delta | None:
+    """What is new since the last delta. Text that could still grow into a stop string is
+    held back until it cannot (or the choice finishes)."""
+    if choice.is_reported_finished:
+        return None
+    end = len(choice.text)
+    if not choice.is_finished and stop:
+        end = max(choice.num_sent_chars, end - (max(len(s) for s in stop) - 1))
+    text = choice.text[choice.num_sent_chars : end]
+    if not (choice.pending_token_ids or text or choice.is_finished):
+        return None
+    delta = Delta(
+        index=choice.index,
+        token_ids=tuple(choice.pending_token_ids),
+        text=text,
+        logprobs=tuple(choice.pending_logprobs),
+        finish_reason=choice.finish_reason,
+    )
+    choice.num_sent_chars = end
+    choice.pending_token_ids, choice.pending_logprobs = [], []
+    choice.is_reported_finished = choice.is_finished
+    return delta
+
+
+def _finish(choice: Choice, reason: FinishReason, flush: bool = True) -> None:
+    if flush:
+        choice.text += choice.decoder.flush()
+    choice.finish_reason = reason
+
+
+def _cut_at_stop_string(choice: Choice, stop: tuple[str, ...]) -> bool:
+    if not stop:
+        return False
+    search_from = max(0, choice.num_sent_chars - max(len(s) for s in stop))
+    hits = [i for i in (choice.text.find(s, search_from) for s in stop) if i >= 0]
+    if not hits:
+        return False
+    choice.text = choice.text[: min(hits)]
+    return True
+
+
+def _to_logprob(sampled: SampledToken, tokenizer: Tokenizer) -> TokenLogprob:
+    top = tuple(
+        TopLogprob(token_id=t, token=tokenizer.id_to_token_text(t), logprob=lp)
+        for t, lp in sampled.top
+    )
+    return TokenLogprob(
+        token_id=sampled.token_id,
+        token=tokenizer.id_to_token_text(sampled.token_id),
+        logprob=float(sampled.logprob or 0.0),
+        top=top,
+    )

@@ -1,0 +1,170 @@
+"""Continuous batching: which sequences compute how many tokens this step.
+
+Every running sequence that is decoding computes its one pending token each step; prompt
+tokens (prefill, possibly in chunks) share a per-step budget of `prefill_chunk_size`. When a
+sequence needs a page and none is free, the newest other running sequence is preempted:
+recomputed later, or aborted if it is part of a disaggregated flow. Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager, num_pages_for
+from .sequence import Sequence, SeqKind, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int  # computes positions [num_computed_tokens, num_computed_tokens + n)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # Preempted sequences of disaggregated flows; their pages are already released.
+    preempted_aborted: list[Sequence] = field(default_factory=list)
+    # Send jobs whose whole window came from the prefix cache: ready with no compute.
+    ready_sends: list[Sequence] = field(default_factory=list)
+    # Sequences that cannot grow even with the whole pool to themselves.
+    out_of_pages: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.scheduled or self.preempted_aborted or self.ready_sends or self.out_of_pages)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int):
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.prefill_chunk_size = prefill_chunk_size
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # admission order: the last is preempted first
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A sequence forked from a running one (n > 1): it already holds its pages."""
+        seq.status = SeqStatus.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take a sequence out of the queues (finish, abort, parked send job); pages stay."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's pages, offering its computed full pages to the prefix cache."""
+        self.block_manager.release(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        seq.block_table = []
+
+    def on_computed(self, scheduled: ScheduledSeq) -> None:
+        scheduled.seq.num_computed_tokens += scheduled.num_tokens
+
+    # ---- one step ----
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.prefill_chunk_size
+        for seq in list(self.running):
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            budget = self._schedule_running(seq, budget, out)
+        self._admit_waiting(budget, out)
+        return out
+
+    def _schedule_running(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        num_tokens = seq.num_pending_tokens
+        if num_tokens > 1:
+            num_tokens = min(num_tokens, budget)
+            if num_tokens == 0:
+                return budget
+        scheduled_seqs = {id(s.seq) for s in out.scheduled}
+        while not self._ensure_pages(seq, num_tokens):
+            victim = self._pick_victim(exclude=seq, scheduled=scheduled_seqs)
+            if victim is None:
+                if out.scheduled:
+                    self._preempt(seq, out)  # wait for the others to finish
+                else:
+                    self.running.remove(seq)
+                    out.out_of_pages.append(seq)
+                return budget
+            self._preempt(victim, out)
+        out.scheduled.append(ScheduledSeq(seq, num_tokens))
+        return budget - num_tokens if seq.num_pending_tokens > 1 else budget
+
+    def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            acquired = self._match_prefix(seq)
+            num_tokens = min(seq.num_pending_tokens, budget)
+            if seq.num_pending_tokens == 0 and seq.kind is SeqKind.SEND:
+                self._record_admission(seq)
+                self.waiting.popleft()
+                seq.status = SeqStatus.PARKED
+                out.ready_sends.append(seq)
+                continue
+            if num_tokens == 0 or not self._ensure_pages(seq, num_tokens):
+                if acquired:  # give the matched pages back; the next try matches again
+                    self.block_manager.release(seq.block_table)
+                    seq.block_table, seq.num_computed_tokens = [], 0
+                return
+            self._record_admission(seq)
+            self.waiting.popleft()
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, num_tokens))
+            budget -= num_tokens
+
+    def _match_prefix(self, seq: Sequence) -> bool:
+        if seq.block_table or seq.num_computed_tokens:
+            return False  # it came with KV (a prep_recv reservation)
+        pages = self.block_manager.acquire_prefix(seq.token_ids, seq.max_prefix_match_tokens)
+        seq.block_table = pages
+        seq.num_computed_tokens = len(pages) * self.block_manager.page_size
+        return True
+
+    def _record_admission(self, seq: Sequence) -> None:
+        if seq.is_admitted_once:
+            return
+        seq.is_admitted_once = True
+        if not seq.num_cached_tokens:
+            seq.num_cached_tokens = seq.num_computed_tokens
+            self.block_manager.record_prefix_query(seq.max_prefix_match_tokens, seq.num_computed_tokens)
+
+    def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        needed = num_pages_for(seq.num_computed_tokens + num_tokens, self.block_manager.page_size)
+        missing = needed - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if not self.block_manager.can_allocate(missing):
+            return False
+        seq.block_table.extend(self.block_manager.allocate(missing))
+        return True
+
+    def _pick_victim(self, exclude: Sequence, scheduled: set[int]) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not exclude and id(seq) not in scheduled:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.release(seq)
+        if seq.is_disaggregated:
+            seq.status = SeqStatus.FINISHED
+            out.preempted_aborted.append(seq)
+            return
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        self.waiting.appendleft(seq)

@@ -1,0 +1,63 @@
+"""One sequence of tokens whose KV the engine computes: a choice of a generate request, or
+the prompt window of a remote_send job. Plain Python, no torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PARKED = "parked"  # holds pages but is not scheduled (a remote_send job ready to export)
+    FINISHED = "finished"
+
+
+class SeqKind(enum.Enum):
+    GENERATE = "generate"  # computes KV then samples a token each time it catches up
+    SEND = "send"  # computes KV of its tokens only (remote_send); never samples
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    kind: SeqKind = SeqKind.GENERATE
+    # Part of a disaggregated flow: preemption aborts it (FinishReason.PREEMPT) instead of
+    # recomputing, because its KV came from (or goes to) another engine.
+    is_disaggregated: bool = False
+    choice_index: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # positions [0, num_computed_tokens) hold valid KV
+    num_cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix hit or import)
+    is_admitted_once: bool = False
+    status: SeqStatus = SeqStatus.WAITING
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def max_prefix_match_tokens(self) -> int:
+        # A generate sequence must compute at least its last token to get logits; a send job
+        # may take its whole window from the cache.
+        return self.num_tokens if self.kind is SeqKind.SEND else self.num_tokens - 1
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,309 @@
+"""The tokenizer every service shares: a byte-level preset built in code, or a local Hugging Face
+directory (tokenizer.json + tokenizer_config.json), plus UTF-8-safe incremental decoding.
+
+Imports no torch and no gRPC, so the router can tokenize without loading an engine.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+# Preset names that give the byte-level tokenizer (the models `tiny` and `llama-100m` use it).
+PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m")
+
+# Byte tokens take ids 0..255 (id == byte value); the specials follow in this order.
+BYTE_SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|bos|>",
+    "<|eos|>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|pad|>",
+)
+
+# Output already starts with bos: encode a rendered chat with add_special_tokens=False.
+BYTE_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+_REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """Text <-> token ids, chat templating, and the ids that end a generation."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token: str | None,
+        eos_tokens: Sequence[str],
+        chat_template: str | None,
+        extra_eos_token_ids: Iterable[int] = (),
+    ) -> None:
+        self._backend = backend
+        self._bos_token = bos_token
+        self._bos_token_id = backend.token_to_id(bos_token) if bos_token else None
+        eos_ids = [backend.token_to_id(t) for t in eos_tokens]
+        eos_ids += list(extra_eos_token_ids)
+        # dict.fromkeys keeps order and drops duplicates / unknown tokens.
+        self._eos_token_ids = tuple(dict.fromkeys(i for i in eos_ids if i is not None))
+        self._eos_token = eos_tokens[0] if eos_tokens else None
+        self._chat_template = chat_template
+        self._template: jinja2.Template | None = None
+
+    # ---- construction ----
+    @classmethod
+    def from_model(cls, name_or_dir: str) -> Tokenizer:
+        """A preset name (see PRESET_NAMES) or a local Hugging Face model directory."""
+        if name_or_dir in PRESET_NAMES:
+            return cls.byte_level()
+        path = Path(name_or_dir)
+        if not (path / "tokenizer.json").is_file():
+            raise ValueError(
+                f"unknown tokenizer {name_or_dir!r}: not a preset {PRESET_NAMES} "
+                "and not a directory holding tokenizer.json"
+            )
+        return cls.from_dir(path)
+
+    @classmethod
+    def byte_level(cls) -> Tokenizer:
+        backend = build_byte_level_backend()
+        return cls(
+            backend,
+            bos_token="<|bos|>",
+            eos_tokens=("<|eos|>", "<|end|>"),
+            chat_template=BYTE_CHAT_TEMPLATE,
+        )
+
+    @classmethod
+    def from_dir(cls, path: Path) -> Tokenizer:
+        backend = HFTokenizer.from_file(str(path / "tokenizer.json"))
+        config = _read_json(path / "tokenizer_config.json")
+        generation = _read_json(path / "generation_config.json")
+        model_config = _read_json(path / "config.json")
+        bos = _token_content(config.get("bos_token"))
+        eos = _token_content(config.get("eos_token"))
+        extra_eos = _as_id_list(generation.get("eos_token_id", model_config.get("eos_token_id")))
+        if bos is None and "bos_token_id" in model_config:
+            bos = _id_to_token(backend, model_config["bos_token_id"])
+        return cls(
+            backend,
+            bos_token=bos,
+            eos_tokens=(eos,) if eos else (),
+            chat_template=_chat_template_text(config.get("chat_template")),
+            extra_eos_token_ids=extra_eos,
+        )
+
+    # ---- properties ----
+    @property
+    def vocab_size(self) -> int:
+        return int(self._backend.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._eos_token_ids
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos_token_id
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._chat_template is not None
+
+    # ---- text <-> ids ----
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def id_to_token_text(self, token_id: int) -> str:
+        """The text of one token, for logprobs (a partial UTF-8 byte shows as U+FFFD)."""
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
+        return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
+
+    # ---- chat ----
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        """Render messages to prompt text. The text already holds the special tokens the
+        template adds (e.g. bos), so encode it with add_special_tokens=False."""
+        _validate_messages(messages)
+        template = self._compiled_template()
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self._bos_token or "",
+                eos_token=self._eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> list[int]:
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        return self.encode(text, add_special_tokens=False)
+
+    def _compiled_template(self) -> jinja2.Template:
+        if self._chat_template is None:
+            raise ValueError("this tokenizer has no chat template")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined
+            )
+            env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent)
+            self._template = env.from_string(self._chat_template)
+        return self._template
+
+
+class IncrementalDecoder:
+    """Feeds token ids one step at a time and returns only complete text.
+
+    Decodes a short window of ids (`prefix` = already-emitted tail, `read` = its end) and
+    emits the new suffix only when it does not end in U+FFFD, i.e. a multi-byte character is
+    never split across deltas. `flush()` returns whatever is still held back.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = []
+        self._prefix_offset = 0
+        self._read_offset = 0
+
+    def feed(self, token_ids: Iterable[int]) -> str:
+        self._ids.extend(token_ids)
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):
+            return ""
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        new_text = self._decode(self._prefix_offset, len(self._ids))
+        self._prefix_offset = self._read_offset = len(self._ids)
+        return new_text[len(prefix_text) :]
+
+    def _decode(self, begin: int, end: int) -> str:
+        if begin >= end:
+            return ""
+        return self._tokenizer.decode(self._ids[begin:end], self._skip_special_tokens)
+
+
+def build_byte_level_backend() -> HFTokenizer:
+    """A `tokenizers` BPE with no merges over the 256 byte symbols: one token per byte."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    # ByteLevel maps byte b to a printable char; order the vocab by byte value so id == byte.
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    if set(vocab) != set(alphabet):
+        raise RuntimeError("unexpected ByteLevel alphabet")
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True) for t in BYTE_SPECIAL_TOKENS])
+    bos = BYTE_SPECIAL_TOKENS[0]
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A",
+        pair=f"{bos} $A $B",
+        special_tokens=[(bos, backend.token_to_id(bos))],
+    )
+    return backend
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    # GPT-2's reversible byte -> printable-unicode table that ByteLevel uses.
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    table = {b: chr(b) for b in printable}
+    next_code = 256
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(next_code)
+            next_code += 1
+    return table
+
+
+def _validate_messages(messages: object) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages[{i}] must be an object")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise ValueError(f"messages[{i}].role must be a non-empty string")
+        content = message.get("content")
+        if not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string")
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_content(token: object) -> str | None:
+    # tokenizer_config.json spells special tokens either as a string or as an AddedToken dict.
+    if isinstance(token, str):
+        return token
+    if isinstance(token, dict) and isinstance(token.get("content"), str):
+        return str(token["content"])
+    return None
+
+
+def _chat_template_text(template: object) -> str | None:
+    if isinstance(template, str):
+        return template
+    if isinstance(template, list):  # [{"name": "default", "template": "..."}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        chosen = named.get("default") or next(iter(named.values()), None)
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+def _as_id_list(value: object) -> list[int]:
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int)]
+    return []
+
+
+def _id_to_token(backend: HFTokenizer, token_id: object) -> str | None:
+    if not isinstance(token_id, int):
+        return None
+    token = backend.id_to_token(token_id)
+    return str(token) if token is not None else None
