@@ -1,0 +1,334 @@
+"""AsyncEngine: the LLMEngine driven by one background thread, spoken to from asyncio.
+
+The core is not thread-safe, so every call becomes a command on a queue that only the engine
+thread executes; results and stream items come back through `loop.call_soon_threadsafe`.
+Closing or cancelling a stream aborts its request, so a client that goes away frees its KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
+
+from microserving.tokenizer import Tokenizer
+
+from .api import (
+    AlreadyExistsError,
+    EngineError,
+    EngineStatus,
+    GenerateOutput,
+    KVChunk,
+    KVLayout,
+    PrepRecvResult,
+    SamplingParams,
+    UnavailableError,
+)
+from .config import EngineConfig
+from .llm_engine import EngineEvent, LLMEngine, SendFailed, SendReady
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+_IDLE_WAIT_S = 1.0  # longest idle sleep; commands wake the thread at once anyway
+_STOP = object()
+
+
+class _Command:
+    __slots__ = ("fn", "future")
+
+    def __init__(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future[Any] | None):
+        self.fn = fn
+        self.future = future
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self._core: LLMEngine | None = None
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._generate_queues: dict[str, asyncio.Queue[Any]] = {}
+        self._send_queues: dict[str, asyncio.Queue[Any]] = {}
+        self._status: EngineStatus | None = None
+        self._is_stopping = False
+
+    # ---- lifecycle ----
+    async def start(self) -> None:
+        """Load the model in the engine thread and warm it up."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        started: asyncio.Future[None] = self._loop.create_future()
+        self._thread = threading.Thread(
+            target=self._thread_main, args=(started,), name="engine-loop", daemon=True
+        )
+        self._thread.start()
+        await started
+
+    async def shutdown(self) -> None:
+        if self._thread is None or self._is_stopping:
+            return
+        self._is_stopping = True
+        self._commands.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+        error = UnavailableError("engine shut down")
+        for q in [*self._generate_queues.values(), *self._send_queues.values()]:
+            q.put_nowait(error)
+
+    # ---- facts (valid after start) ----
+    @property
+    def core(self) -> LLMEngine:
+        if self._core is None:
+            raise UnavailableError("engine not started")
+        return self._core
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.core.tokenizer
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        return self.core.kv_layout
+
+    @property
+    def model_id(self) -> str:
+        return self.core.model_id
+
+    @property
+    def max_context_length(self) -> int:
+        return self.core.max_context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    def status(self) -> EngineStatus:
+        """The snapshot the engine thread published after its latest command or step."""
+        if self._status is None:
+            raise UnavailableError("engine not started")
+        return self._status
+
+    # ---- MicroServing ops ----
+    async def prep_recv(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        end: int,
+        sampling: SamplingParams | None = None,
+    ) -> PrepRecvResult:
+        ids = list(token_ids)
+        return await self._call(lambda core: core.prep_recv(request_id, ids, end, sampling))
+
+    async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+        await self._call(lambda core: core.import_kv(request_id, chunk))
+
+    async def abort(self, request_id: str) -> bool:
+        return await self._call(lambda core: core.abort(request_id))
+
+    async def generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+    ) -> AsyncIterator[GenerateOutput]:
+        """start_generate: stream outputs until the request finishes."""
+        ids = list(token_ids)
+        stream = self._open_stream(self._generate_queues, request_id)
+        is_done = True  # until the engine accepted the request there is nothing to abort
+        try:
+            await self._start(lambda core: core.start_generate(request_id, ids, begin, sampling), request_id)
+            is_done = False
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    is_done = True
+                    raise item
+                if item.is_finished:
+                    is_done = True
+                yield item
+                if is_done:
+                    return
+        finally:
+            self._close_stream(self._generate_queues, request_id, stream)
+            if not is_done:
+                self._submit_nowait(lambda core: core.abort(request_id))
+
+    async def remote_send(
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int
+    ) -> AsyncIterator[KVChunk]:
+        """Compute KV of prompt[:end] and yield [begin, end) in chunks; the job's pages are
+        released after the last chunk or when the iterator is closed early."""
+        ids = list(token_ids)
+        stream = self._open_stream(self._send_queues, request_id)
+        is_released = True
+        try:
+            await self._start(lambda core: core.remote_send(request_id, ids, begin, end), request_id)
+            is_released = False
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                is_released = True
+                raise item
+            windows = await self._call(lambda core: core.export_windows(request_id))
+            for i, (chunk_begin, num_tokens) in enumerate(windows):
+                is_last = i == len(windows) - 1
+                chunk = await self._call(
+                    lambda core, b=chunk_begin, n=num_tokens, last=is_last: _export(
+                        core, request_id, b, n, last
+                    )
+                )
+                is_released = is_last
+                yield chunk
+        finally:
+            self._close_stream(self._send_queues, request_id, stream)
+            if not is_released:
+                self._submit_nowait(lambda core: core.abort(request_id))
+
+    # ---- plumbing: event loop side ----
+    def _open_stream(self, streams: dict[str, asyncio.Queue[Any]], request_id: str) -> asyncio.Queue[Any]:
+        if request_id in streams:
+            raise AlreadyExistsError(f"request {request_id!r} is already streaming")
+        stream: asyncio.Queue[Any] = asyncio.Queue()
+        streams[request_id] = stream
+        return stream
+
+    @staticmethod
+    def _close_stream(
+        streams: dict[str, asyncio.Queue[Any]], request_id: str, stream: asyncio.Queue[Any]
+    ) -> None:
+        if streams.get(request_id) is stream:
+            del streams[request_id]
+
+    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+        if self._loop is None or self._is_stopping:
+            raise UnavailableError("engine is not running")
+        future: asyncio.Future[T] = self._loop.create_future()
+        self._commands.put(_Command(fn, future))
+        return await future
+
+    async def _start(self, fn: Callable[[LLMEngine], None], request_id: str) -> None:
+        try:
+            await self._call(fn)
+        except asyncio.CancelledError:
+            # The command may still run after we stop waiting: queue an abort behind it.
+            self._submit_nowait(lambda core: core.abort(request_id))
+            raise
+
+    def _submit_nowait(self, fn: Callable[[LLMEngine], Any]) -> None:
+        if not self._is_stopping:
+            self._commands.put(_Command(fn, None))
+
+    # ---- plumbing: engine thread side ----
+    def _thread_main(self, started: asyncio.Future[None]) -> None:
+        try:
+            core = LLMEngine(self.config)
+            core.warmup()
+        except Exception as exc:  # the model failed to load: report it to start()
+            logger.exception("engine failed to start")
+            self._resolve(started, exc=exc)
+            return
+        self._core = core
+        self._status = core.status()
+        self._resolve(started, value=None)
+        while self._run_commands(core, block=not core.has_work):
+            if core.has_work:
+                self._step(core)
+            self._status = core.status()
+
+    def _run_commands(self, core: LLMEngine, block: bool) -> bool:
+        """Run queued commands (waiting for one if idle); False once asked to stop."""
+        timeout = self._idle_timeout(core) if block else None
+        while True:
+            try:
+                item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
+            except queue.Empty:
+                if block:
+                    core.reap_expired_reservations()
+                return True
+            if item is _STOP:
+                return False
+            self._execute(core, item)
+            block = False  # after the first command, drain without waiting
+
+    @staticmethod
+    def _idle_timeout(core: LLMEngine) -> float:
+        deadline = core.next_deadline()
+        if deadline is None:
+            return _IDLE_WAIT_S
+        return min(_IDLE_WAIT_S, max(0.0, deadline - time.monotonic()) + 0.01)
+
+    def _execute(self, core: LLMEngine, command: _Command) -> None:
+        try:
+            value = command.fn(core)
+        except EngineError as exc:
+            self._resolve(command.future, exc=exc)
+        except Exception as exc:
+            logger.exception("engine command failed")
+            self._resolve(command.future, exc=EngineError(f"internal engine error: {exc}"))
+        else:
+            self._resolve(command.future, value=value)
+
+    def _step(self, core: LLMEngine) -> None:
+        try:
+            events = core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests in flight")
+            self._fail_everything(core, EngineError(f"internal engine error: {exc}"))
+            return
+        for event in events:
+            self._dispatch(event)
+
+    def _dispatch(self, event: EngineEvent) -> None:
+        if isinstance(event, GenerateOutput):
+            self._post(self._generate_queues, event.request_id, event)
+        elif isinstance(event, SendReady):
+            self._post(self._send_queues, event.request_id, event)
+        elif isinstance(event, SendFailed):
+            self._post(self._send_queues, event.request_id, event.error)
+
+    def _fail_everything(self, core: LLMEngine, error: EngineError) -> None:
+        for request_id in [*self._generate_queues, *self._send_queues]:
+            try:
+                core.abort(request_id)
+            except Exception:
+                logger.exception("abort after engine failure failed for %s", request_id)
+            self._post(self._generate_queues, request_id, error)
+            self._post(self._send_queues, request_id, error)
+
+    def _post(self, streams: dict[str, asyncio.Queue[Any]], request_id: str, item: object) -> None:
+        loop = self._loop
+        if loop is None:
+            return
+
+        def put() -> None:
+            stream = streams.get(request_id)
+            if stream is not None:  # its consumer may have gone: drop the item
+                stream.put_nowait(item)
+
+        loop.call_soon_threadsafe(put)
+
+    def _resolve(
+        self, future: asyncio.Future[Any] | None, value: object = None, exc: BaseException | None = None
+    ) -> None:
+        loop = self._loop
+        if future is None or loop is None:
+            return
+
+        def settle() -> None:
+            if future.done():
+                return  # the awaiting coroutine was cancelled
+            if exc is not None:
+                future.set_exception(exc)
+            else:
+                future.set_result(value)
+
+        loop.call_soon_threadsafe(settle)
+
+
+def _export(core: LLMEngine, request_id: str, begin: int, num_tokens: int, is_last: bool) -> KVChunk:
+    chunk = core.export_kv(request_id, begin, num_tokens)
+    if is_last:
+        core.finish_remote_send(request_id)
+    return chunk
