@@ -1,0 +1,226 @@
+"""The embedded engine on CUDA against `transformers` and the memory-bandwidth roofline.
+
+Side by side in one run, on the same random bf16 weights (the `llama-1b` preset: hidden 2048,
+16 layers, 32 query / 8 KV heads, vocab 32000):
+- prefill tokens/s for 1k- and 8k-token prompts;
+- decode tokens/s at batch 1, 32 and 128 with 512-token prompts and 128 new tokens;
+- `transformers` generate with its dynamic and its static cache, same prompts and lengths;
+- the decode roofline: bytes of weights + KV read per step / measured copy bandwidth.
+
+Prints a table and writes JSON: `python -m bench.gpu_bench --out DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine_shim.engine.api import SamplingParams
+from engine_shim.engine.config import EngineConfig, resolve_model_config
+from engine_shim.engine.llm_engine import LLMEngine
+
+PROMPT_LEN = 512
+NEW_TOKENS = 128
+
+
+@dataclass
+class Figure:
+    system: str
+    metric: str
+    batch: int
+    tokens_per_s: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"system": self.system, "metric": self.metric, "batch": self.batch,
+                "tokens_per_s": round(self.tokens_per_s, 1)}
+
+
+def copy_bandwidth_gbps(num_bytes: int = 4 << 30) -> float:
+    """Device-to-device copy, counting bytes read plus bytes written (median of 10)."""
+    src = torch.empty(num_bytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    median = sorted(times[3:])[len(times[3:]) // 2]
+    del src, dst
+    torch.cuda.empty_cache()
+    return num_bytes / median / 1e9
+
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=generator).tolist()
+
+
+def new_engine(model: str, max_batch: int) -> LLMEngine:
+    config = EngineConfig(
+        model=model, device="cuda", dtype="bfloat16", kv_cache_memory_mb=24 * 1024,
+        max_num_seqs=max_batch, prefill_chunk_size=8192, enable_prefix_cache=False,
+    )
+    engine = LLMEngine(config)
+    engine.warmup()
+    return engine
+
+
+def engine_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
+    times = []
+    for i in range(repeats + 1):
+        (prompt,) = random_prompts(1, length, engine.vocab_size, seed=100 + i)
+        sampling = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.add_request(f"prefill-{length}-{i}", prompt, sampling)
+        engine.run_until_done()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return length / sorted(times[1:])[len(times[1:]) // 2]
+
+
+def engine_decode(engine: LLMEngine, batch: int) -> float:
+    """Decode tokens/s once every sequence has its first token (prefill excluded)."""
+    sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, PROMPT_LEN, engine.vocab_size, seed=batch)):
+        engine.add_request(f"decode-{batch}-{i}", prompt, sampling)
+    num_started = 0
+    while num_started < batch:  # prefill (chunked) until every sequence sampled once
+        for event in engine.step():
+            if getattr(event, "deltas", ()):
+                num_started += sum(1 for d in event.deltas if d.token_ids and d.index == 0)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    num_tokens = 0
+    while engine.has_work:
+        for event in engine.step():
+            num_tokens += sum(len(d.token_ids) for d in getattr(event, "deltas", ()))
+    torch.cuda.synchronize()
+    return num_tokens / (time.perf_counter() - start)
+
+
+def hf_model(engine: LLMEngine) -> Any:
+    """transformers' LlamaForCausalLM holding the engine's exact weights (names match HF)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    mc = engine.model_config
+    config = LlamaConfig(
+        vocab_size=mc.vocab_size, hidden_size=mc.hidden_size,
+        intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
+        num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
+        head_dim=mc.head_dim, max_position_embeddings=mc.max_position_embeddings,
+        rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
+        tie_word_embeddings=mc.tie_word_embeddings,
+    )
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    missing, unexpected = model.load_state_dict(engine.model.state_dict(), strict=False)
+    if unexpected or any("rotary" not in name for name in missing):
+        raise RuntimeError(f"weight names differ: missing {missing}, unexpected {unexpected}")
+    return model.eval()
+
+
+def hf_decode(model: Any, batch: int, cache: str, vocab: int) -> float:
+    ids = torch.tensor(random_prompts(batch, PROMPT_LEN, vocab, seed=batch), device="cuda")
+    kwargs: dict[str, Any] = {"do_sample": False, "pad_token_id": 0}
+    if cache == "static":
+        kwargs["cache_implementation"] = "static"
+
+    def timed(new_tokens: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timed(2)  # warm up (static cache allocation)
+    prefill_s = timed(1)
+    total_s = timed(NEW_TOKENS)
+    return batch * (NEW_TOKENS - 1) / max(total_s - prefill_s, 1e-9)
+
+
+def hf_prefill(model: Any, length: int, vocab: int) -> float:
+    ids = torch.tensor(random_prompts(1, length, vocab, seed=7), device="cuda")
+    times = []
+    for _ in range(4):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            model(ids, use_cache=False, logits_to_keep=1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return length / sorted(times[1:])[1]
+
+
+def roofline_tokens_per_s(engine: LLMEngine, batch: int, bandwidth_gbps: float) -> float:
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    mc = engine.model_config
+    context = PROMPT_LEN + NEW_TOKENS // 2  # mean context over the decode phase
+    kv_bytes = batch * context * mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * 2
+    return batch / ((weight_bytes + kv_bytes) / (bandwidth_gbps * 1e9))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-1b")
+    parser.add_argument("--batches", default="1,32,128")
+    parser.add_argument("--prefill-lens", default="1024,8192")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    lengths = [int(n) for n in args.prefill_lens.split(",")]
+
+    bandwidth = copy_bandwidth_gbps()
+    print(f"copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
+    mc = resolve_model_config(args.model)
+    print(f"model {args.model}: {mc.num_parameters() / 1e9:.2f}B parameters", flush=True)
+    engine = new_engine(args.model, max(batches))
+    figures: list[Figure] = []
+    for length in lengths:
+        figures.append(Figure("engine", f"prefill_{length}", 1, engine_prefill(engine, length)))
+        print(figures[-1].as_dict(), flush=True)
+    for batch in batches:
+        figures.append(Figure("engine", "decode", batch, engine_decode(engine, batch)))
+        print(figures[-1].as_dict(), flush=True)
+    roofline = {b: roofline_tokens_per_s(engine, b, bandwidth) for b in batches}
+    if not args.skip_hf:
+        model = hf_model(engine)
+        del engine
+        torch.cuda.empty_cache()
+        for length in lengths:
+            figures.append(Figure("transformers", f"prefill_{length}", 1,
+                                  hf_prefill(model, length, mc.vocab_size)))
+            print(figures[-1].as_dict(), flush=True)
+        for cache in ("dynamic", "static"):
+            for batch in batches:
+                rate = hf_decode(model, batch, cache, mc.vocab_size)
+                figures.append(Figure(f"transformers-{cache}", "decode", batch, rate))
+                print(figures[-1].as_dict(), flush=True)
+    result = {
+        "machine": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "model": args.model, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
+        "copy_bandwidth_gbps": round(bandwidth, 1),
+        "roofline_tokens_per_s": {str(b): round(r, 1) for b, r in roofline.items()},
+        "figures": [f.as_dict() for f in figures],
+    }
+    print(json.dumps(result, indent=2))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gpu_bench.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
