@@ -1,0 +1,63 @@
+"""The FastAPI application: routes, the error boundary, request metrics and the router channel's
+lifetime (opened when the app starts, closed when it stops)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from gateway.errors import install_error_handlers
+from gateway.metrics import GatewayMetrics
+from gateway.routes import api, ops
+from gateway.settings import GatewaySettings
+from gateway.state import GatewayState
+
+
+class RequestMetricsMiddleware:
+    """Counts every HTTP request by route and status (a pure ASGI middleware: it neither buffers
+    streamed bodies nor hides client disconnects)."""
+
+    def __init__(self, app: ASGIApp, metrics: GatewayMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = {"code": 499}  # stays 499 when the client leaves before any response
+
+        async def record_status(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, record_status)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", "unmatched")
+            self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
+
+
+def create_app(settings: GatewaySettings) -> FastAPI:
+    metrics = GatewayMetrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state = GatewayState.create(settings, metrics)
+        app.state.gateway = state
+        try:
+            yield
+        finally:
+            await state.router.close()
+
+    app = FastAPI(title="microserving gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.include_router(api)
+    app.include_router(ops)
+    install_error_handlers(app, on_error=metrics.count_error)
+    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    return app

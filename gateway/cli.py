@@ -1,0 +1,79 @@
+"""`microserving gateway`: flags -> GatewaySettings -> uvicorn serving the FastAPI app.
+
+Binds its socket itself so that `--port 0` works, and prints the bound address as
+`microserving gateway listening on HOST:PORT` (the line `microserving up` waits for).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+from typing import Any
+
+import uvicorn
+from pydantic import ValidationError
+
+from gateway.app import create_app
+from gateway.settings import GatewaySettings, reject_unknown_env
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="microserving gateway",
+                                     description="OpenAI-compatible HTTP gateway to a router.")
+    parser.add_argument("--router", help="Router address host:port (default 127.0.0.1:50051)")
+    parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="HTTP port, 0 for any (default 8000)")
+    parser.add_argument("--api-key", dest="api_keys", action="append",
+                        help="accepted API key (repeatable; also MICROSERVING_GATEWAY_API_KEYS)")
+    parser.add_argument("--api-key-file", help="file with one accepted API key per line")
+    parser.add_argument("--max-inflight", type=int,
+                        help="generation requests served at once; 0 = unlimited (default)")
+    parser.add_argument("--served-model-name", help="model id to report when none is given")
+    parser.add_argument("--log-level", help="log level (default info)")
+    parser.add_argument("--tls-ca", help="CA bundle verifying the router (TLS)")
+    parser.add_argument("--tls-cert", help="client certificate (mutual TLS)")
+    parser.add_argument("--tls-key", help="client key (mutual TLS)")
+    return parser
+
+
+def settings_from_args(argv: list[str]) -> GatewaySettings:
+    """Flags given on the command line override the environment (MICROSERVING_GATEWAY_*)."""
+    args = build_parser().parse_args(argv)
+    reject_unknown_env()
+    given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
+    return GatewaySettings(**given)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        settings = settings_from_args(sys.argv[1:] if argv is None else argv)
+    except (ValidationError, ValueError) as error:
+        print(f"microserving gateway: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    sock = bind_socket(settings.host, settings.port)
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(create_app(settings), log_level=settings.log_level,
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    print(f"microserving gateway listening on {host}:{port} (router {settings.router})",
+          flush=True)
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one gateway: requests, errors, latency, tokens and in-flight work.
+
+Each app owns its registry, so several gateways (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+if TYPE_CHECKING:
+    from gateway.errors import GatewayError
+
+_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                      10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "microserving_gateway_requests", "HTTP requests by endpoint and status.",
+            ["endpoint", "status"], registry=self.registry)
+        self.errors = Counter(
+            "microserving_gateway_errors", "Error responses by OpenAI error code.",
+            ["code"], registry=self.registry)
+        self.time_to_first_token_s = Histogram(
+            "microserving_gateway_time_to_first_token_seconds",
+            "Seconds from request arrival to the first generated text.",
+            buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.inter_token_latency_s = Histogram(
+            "microserving_gateway_inter_token_latency_seconds",
+            "Seconds between consecutive deltas of one choice.",
+            buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+        self.prompt_tokens = Counter(
+            "microserving_gateway_prompt_tokens", "Prompt tokens of finished requests.",
+            registry=self.registry)
+        self.completion_tokens = Counter(
+            "microserving_gateway_completion_tokens", "Generated tokens of finished requests.",
+            registry=self.registry)
+        self.inflight = Gauge(
+            "microserving_gateway_inflight_requests", "Generation requests being served.",
+            registry=self.registry)
+
+    def count_error(self, error: GatewayError) -> None:
+        self.errors.labels(code=error.kind.code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""OpenAI wire models (pydantic): one module per endpoint plus the shared base."""

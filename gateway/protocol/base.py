@@ -1,0 +1,112 @@
+"""The shared base of every OpenAI request model, and the pieces several endpoints use.
+
+Requests accept unknown fields (OpenAI clients send new ones all the time) and log which were
+ignored, so a silently dropped option is at least visible in the gateway's log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIBaseModel(BaseModel):
+    """Accepts unknown fields and logs their names once per request."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_ignored_fields(self) -> OpenAIBaseModel:
+        extra = sorted((self.model_extra or {}).keys())
+        if extra:
+            logger.info("ignored unknown fields of %s: %s", type(self).__name__, ", ".join(extra))
+        return self
+
+    @property
+    def ignored_fields(self) -> list[str]:
+        return sorted((self.model_extra or {}).keys())
+
+
+class StrictModel(BaseModel):
+    """Response and nested models: exactly the fields declared."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: bool = False
+
+
+class PatternHintsParam(OpenAIBaseModel):
+    """Our extension `microserving: {...}`: per-request overrides of the router's pattern."""
+
+    pattern: Literal["round-robin", "disagg", "adaptive-disagg"] | None = None
+    pd_balance_factor: float | None = Field(default=None, ge=0.0, lt=1.0)
+    cache_aware: bool | None = None
+
+
+class SamplingFields(OpenAIBaseModel):
+    """Fields every generation endpoint shares, with OpenAI's ranges."""
+
+    model: str = ""
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    n: int = Field(default=1, ge=1, le=16)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # Extensions (documented in docs/gateway.md).
+    top_k: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    microserving: PatternHintsParam | None = None
+
+    @model_validator(mode="after")
+    def _check_common(self) -> SamplingFields:
+        if isinstance(self.stop, list) and len(self.stop) > 16:
+            raise ValueError("stop: at most 16 stop strings")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def include_usage_in_stream(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class Usage(StrictModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class ErrorInfo(StrictModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(StrictModel):
+    error: ErrorInfo
+
+
+def dump(model: BaseModel) -> dict[str, Any]:
+    """A response model as the JSON object sent on the wire."""
+    return model.model_dump(mode="json")

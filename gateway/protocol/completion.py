@@ -1,0 +1,74 @@
+"""POST /v1/completions: the request and response models (OpenAI's legacy completions API)."""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from gateway.protocol.base import SamplingFields, StrictModel, Usage
+
+# A prompt as OpenAI accepts it: text, texts, token ids, or lists of token ids.
+PromptInput = str | list[str] | list[int] | list[list[int]]
+
+
+class CompletionRequest(SamplingFields):
+    prompt: PromptInput
+    max_tokens: int | None = Field(default=16, ge=1)
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    echo: bool = False
+    best_of: int | None = Field(default=None, ge=1, le=1)
+    suffix: str | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_not_empty(cls, prompt: PromptInput) -> PromptInput:
+        if isinstance(prompt, list) and not prompt:
+            raise ValueError("prompt must not be an empty list")
+        if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
+            raise ValueError("prompt must not contain an empty token list")
+        return prompt
+
+    @model_validator(mode="after")
+    def _no_suffix(self) -> CompletionRequest:
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of single prompts (text or token ids)."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if all(isinstance(p, int) for p in prompt):
+            return [[int(p) for p in prompt]]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class CompletionLogprobs(StrictModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+FinishReasonText = Literal["stop", "length", "abort", "error"]
+
+
+class CompletionChoice(StrictModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: FinishReasonText | None = None
+
+
+class CompletionResponse(StrictModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None

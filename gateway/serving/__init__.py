@@ -1,0 +1,1 @@
+"""Serving logic per endpoint: validate -> convert -> stream / complete."""

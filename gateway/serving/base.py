@@ -1,0 +1,143 @@
+"""The handler template every generation endpoint follows: validate -> convert -> stream or
+complete, with admission, cancellation on disconnect and SSE error reporting in one place."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+from grpc import aio
+from pydantic import BaseModel
+
+from gateway.admission import AdmissionLimit
+from gateway.errors import GatewayError, from_rpc_error
+from gateway.metrics import GatewayMetrics
+from gateway.protocol.base import SamplingFields, Usage, dump
+from gateway.router_client import GenerateStream, RouterClient
+from gateway.serving.disconnect import ClientDisconnected, RelayResponse, run_until_disconnect
+from gateway.serving.events import Event, UsageTotals, relay
+from gateway.sse import DONE_EVENT, encode_event
+from microserving.v1 import router_pb2
+
+RequestT = TypeVar("RequestT", bound=SamplingFields)
+RouterEvents = AsyncIterator[Event | UsageTotals]
+
+# Status logged for requests whose client left (nginx's convention; never seen by a client).
+CLIENT_CLOSED_STATUS = 499
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    router: RouterClient
+    metrics: GatewayMetrics
+    admission: AdmissionLimit
+    served_model_name: str
+    on_error: Callable[[GatewayError], None]
+
+
+def usage_model(totals: UsageTotals) -> Usage:
+    details = {"cached_tokens": totals.cached_tokens} if totals.cached_tokens else None
+    return Usage(prompt_tokens=totals.prompt_tokens, completion_tokens=totals.completion_tokens,
+                 total_tokens=totals.prompt_tokens + totals.completion_tokens,
+                 prompt_tokens_details=details)
+
+
+async def _prepend(first: Event | UsageTotals, rest: RouterEvents) -> RouterEvents:
+    yield first
+    async for event in rest:
+        yield event
+
+
+class Once:
+    """Runs a cleanup exactly once (it is reachable from both the handler and the response)."""
+
+    def __init__(self, *callbacks: Callable[[], None]) -> None:
+        self._callbacks: Sequence[Callable[[], None]] | None = callbacks
+
+    def __call__(self) -> None:
+        callbacks, self._callbacks = self._callbacks, None
+        for callback in callbacks or ():
+            callback()
+
+
+class GenerationServing(ABC, Generic[RequestT]):
+    id_prefix = "cmpl"
+
+    def __init__(self, context: ServingContext) -> None:
+        self.context = context
+
+    @abstractmethod
+    def convert(self, request: RequestT, base_id: str) -> list[router_pb2.NewRequest]:
+        """Validated request -> router requests (raises GatewayError for invalid input)."""
+
+    @abstractmethod
+    async def complete(self, request: RequestT, response_id: str,
+                       events: RouterEvents) -> BaseModel:
+        """The whole response of a non-streaming request."""
+
+    @abstractmethod
+    def stream(self, request: RequestT, response_id: str,
+               events: RouterEvents) -> AsyncIterator[BaseModel]:
+        """The chunks of a streaming request, usage chunk included when asked for."""
+
+    def model_name(self, request: RequestT) -> str:
+        return request.model or self.context.served_model_name
+
+    async def handle(self, request: RequestT, http_request: Request) -> Response:
+        response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+        router_requests = self.convert(request, response_id)
+        started_s = time.perf_counter()
+        self.context.admission.acquire()
+        self.context.metrics.inflight.inc()
+        stream = self.context.router.open_stream()
+        cleanup = Once(stream.close, self.context.admission.release, self.context.metrics.inflight.dec)
+        events = relay(stream, router_requests, request.n, self.context.metrics, started_s)
+        try:
+            if request.stream:
+                return await self._start_stream(request, response_id, events, stream, cleanup,
+                                                http_request)
+            work = self.complete(request, response_id, events)
+            result = await run_until_disconnect(http_request, work)
+            return JSONResponse(dump(result))
+        except ClientDisconnected:
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except aio.AioRpcError as error:
+            raise from_rpc_error(error) from None
+        finally:
+            if not request.stream:
+                cleanup()
+
+    async def _start_stream(self, request: RequestT, response_id: str, events: RouterEvents,
+                            stream: GenerateStream, cleanup: Once,
+                            http_request: Request) -> Response:
+        """Waits for the first router event so that early errors keep their HTTP status."""
+        try:
+            first = await run_until_disconnect(http_request, anext(events))
+        except BaseException:
+            cleanup()
+            raise
+        chunks = self.stream(request, response_id, _prepend(first, events))
+        return RelayResponse(self._sse(chunks), on_close=cleanup, media_type="text/event-stream")
+
+    async def _sse(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield encode_event(chunk)
+        except GatewayError as error:
+            self.context.on_error(error)
+            yield encode_event(error.body())
+        except aio.AioRpcError as rpc_error:
+            error = from_rpc_error(rpc_error)
+            self.context.on_error(error)
+            yield encode_event(error.body())
+        yield DONE_EVENT
+
+
+def chunk_base(response_id: str, created: int, model: str) -> dict[str, Any]:
+    return {"id": response_id, "created": created, "model": model}

@@ -1,0 +1,104 @@
+"""POST /v1/completions: router events -> OpenAI text_completion responses and chunks."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+
+from gateway.conversion import completion_requests
+from gateway.protocol.completion import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+)
+from gateway.serving.base import GenerationServing, RouterEvents, usage_model
+from gateway.serving.events import DeltaEvent, PromptEvent, UsageTotals
+from microserving.v1 import common_pb2, router_pb2
+
+
+@dataclass
+class _LogprobsBuilder:
+    """OpenAI's legacy logprobs layout, with text offsets counted over all returned text."""
+
+    offset: int = 0
+    logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+
+    def add_prompt(self, text: str) -> None:
+        self.offset += len(text)
+
+    def add(self, tokens: Sequence[common_pb2.TokenLogprob]) -> CompletionLogprobs:
+        chunk = CompletionLogprobs()
+        for token in tokens:
+            alternatives = {alt.token: alt.logprob for alt in token.top_logprobs}
+            for target in (chunk, self.logprobs):
+                target.tokens.append(token.token)
+                target.token_logprobs.append(token.logprob)
+                target.top_logprobs.append(alternatives or None)
+                target.text_offset.append(self.offset)
+            self.offset += len(token.token)
+        return chunk
+
+
+class CompletionServing(GenerationServing[CompletionRequest]):
+    id_prefix = "cmpl"
+
+    def convert(self, request: CompletionRequest, base_id: str) -> list[router_pb2.NewRequest]:
+        return completion_requests(request, base_id)
+
+    def _choice_count(self, request: CompletionRequest) -> int:
+        return len(request.prompts) * request.n
+
+    async def complete(self, request: CompletionRequest, response_id: str,
+                       events: RouterEvents) -> CompletionResponse:
+        count = self._choice_count(request)
+        texts = [""] * count
+        reasons: list[str | None] = [None] * count
+        builders = [_LogprobsBuilder() for _ in range(count)]
+        usage = UsageTotals()
+        async for event in events:
+            if isinstance(event, PromptEvent):
+                for index in self._choices_of(request, event.prompt_index):
+                    texts[index] += event.text
+                    builders[index].add_prompt(event.text)
+            elif isinstance(event, DeltaEvent):
+                texts[event.index] += event.text
+                builders[event.index].add(event.logprobs)
+                reasons[event.index] = event.finish_reason or reasons[event.index]
+            else:
+                usage = event
+        with_logprobs = request.logprobs is not None
+        choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],  # type: ignore[arg-type]
+                                    logprobs=builders[i].logprobs if with_logprobs else None)
+                   for i in range(count)]
+        return CompletionResponse(id=response_id, model=self.model_name(request), choices=choices,
+                                  usage=usage_model(usage))
+
+    def _choices_of(self, request: CompletionRequest, prompt_index: int) -> range:
+        return range(prompt_index * request.n, (prompt_index + 1) * request.n)
+
+    async def stream(self, request: CompletionRequest, response_id: str,
+                     events: RouterEvents) -> AsyncIterator[CompletionResponse]:
+        created = int(time.time())
+        model = self.model_name(request)
+        builders = [_LogprobsBuilder() for _ in range(self._choice_count(request))]
+        with_logprobs = request.logprobs is not None
+
+        def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
+            return CompletionResponse(id=response_id, created=created, model=model, choices=choices)
+
+        async for event in events:
+            if isinstance(event, PromptEvent):
+                for index in self._choices_of(request, event.prompt_index):
+                    builders[index].add_prompt(event.text)
+                    yield chunk([CompletionChoice(index=index, text=event.text)])
+            elif isinstance(event, DeltaEvent):
+                logprobs = builders[event.index].add(event.logprobs) if with_logprobs else None
+                yield chunk([CompletionChoice(index=event.index, text=event.text,
+                                              logprobs=logprobs,
+                                              finish_reason=event.finish_reason)])  # type: ignore[arg-type]
+            elif request.include_usage_in_stream:
+                usage_chunk = chunk([])
+                usage_chunk.usage = usage_model(event)
+                yield usage_chunk

@@ -1,0 +1,73 @@
+"""The gateway's settings: one pydantic-settings object, env prefix MICROSERVING_GATEWAY_.
+
+The CLI fills it from flags; anything not given on the command line comes from the
+environment. Unknown MICROSERVING_GATEWAY_* variables are rejected by name.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "MICROSERVING_GATEWAY_"
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
+
+    router: str = Field(default="127.0.0.1:50051",
+                        description="Address of the Router service, host:port.")
+    host: str = Field(default="127.0.0.1", description="Interface the HTTP server binds.")
+    port: int = Field(default=8000, ge=0, le=65535,
+                      description="HTTP port; 0 picks a free one (the bound port is printed).")
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="Accepted API keys (comma-separated in the environment); empty = open.")
+    api_key_file: Path | None = Field(
+        default=None, description="File with one accepted API key per line (added to api_keys).")
+    max_inflight: int = Field(default=0, ge=0,
+                              description="Generation requests served at once; 0 = unlimited. "
+                                          "Requests over the limit get 429 with Retry-After.")
+    health_timeout_s: float = Field(default=2.0, gt=0,
+                                    description="Deadline of the router health check behind /health.")
+    served_model_name: str = Field(default="",
+                                   description="Model id reported when the router lists none.")
+    log_level: str = Field(default="info", description="Python log level of the gateway.")
+    tls_ca: str | None = Field(default=None, description="CA bundle to verify the router (TLS).")
+    tls_cert: str | None = Field(default=None, description="Client certificate for mutual TLS.")
+    tls_key: str | None = Field(default=None, description="Client key for mutual TLS.")
+    token: SecretStr | None = Field(default=None,
+                                    description="Shared bearer token of the gRPC hops.")
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [key.strip() for key in value.split(",") if key.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check_key_file(self) -> GatewaySettings:
+        if self.api_key_file is not None and not self.api_key_file.is_file():
+            raise ValueError(f"api_key_file: no such file: {self.api_key_file}")
+        return self
+
+    def all_api_keys(self) -> list[str]:
+        keys = [key.get_secret_value() for key in self.api_keys]
+        if self.api_key_file is not None:
+            lines = self.api_key_file.read_text().splitlines()
+            keys += [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+        return keys
+
+
+def reject_unknown_env(environ: dict[str, str] | None = None) -> None:
+    """Raises ValueError naming MICROSERVING_GATEWAY_* variables that match no setting."""
+    env = os.environ if environ is None else environ
+    known = {ENV_PREFIX + name.upper() for name in GatewaySettings.model_fields}
+    unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
+    if unknown:
+        raise ValueError(f"unknown gateway settings in the environment: {', '.join(unknown)}")
