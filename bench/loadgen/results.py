@@ -1,0 +1,71 @@
+"""A run's results as JSON: configuration, the machine it ran on, the summary and every
+request's record (so later plots and comparisons need only the file)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import platform
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen.client import RequestRecord
+
+RESULTS_FILE = "results.json"
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_info(command: list[str] | None = None) -> dict[str, Any]:
+    """What a figure was measured on: CPU, cores, Python, OS, date and the command."""
+    try:
+        usable_cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable_cores = os.cpu_count() or 0
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "usable_cores": usable_cores,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "command": " ".join(command if command is not None else sys.argv),
+    }
+
+
+def record_to_json(record: RequestRecord) -> dict[str, Any]:
+    data = asdict(record)
+    data.update(jct_s=record.jct_s, tpot_s=record.tpot_s, output_tokens=record.output_tokens)
+    return data
+
+
+def record_from_json(data: dict[str, Any]) -> RequestRecord:
+    fields = RequestRecord.__dataclass_fields__
+    return RequestRecord(**{k: v for k, v in data.items() if k in fields})
+
+
+def write_results(out_dir: Path, result: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / RESULTS_FILE
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    return path
+
+
+def read_results(path: Path) -> dict[str, Any]:
+    """A run's results from its directory or its JSON file."""
+    file = path / RESULTS_FILE if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path}: no {RESULTS_FILE} there")
+    data: dict[str, Any] = json.loads(file.read_text(encoding="utf-8"))
+    return data
