@@ -43,6 +43,7 @@ class Scheduler:
         self.prefill_chunk_size = prefill_chunk_size
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
+        self.num_preemptions = 0
 
     @property
     def has_work(self) -> bool:
@@ -159,6 +160,7 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.num_preemptions += 1
         self.running.remove(seq)
         self.release(seq)
         if seq.is_disaggregated:
