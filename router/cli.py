@@ -1,0 +1,69 @@
+"""`microserving router`: a thin argparse layer over RouterSettings (flags > environment >
+--config file > defaults)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+from typing import Any
+
+from pydantic import ValidationError
+
+from router.router import Router
+from router.server import serve_forever
+from router.settings import load_settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="microserving router", description="Run the gRPC router.")
+    add = parser.add_argument
+    add("--config", help="YAML or JSON file of settings (field names as keys)")
+    add("--engine", dest="engines", action="append", metavar="HOST:PORT[=ROLE]",
+        help="an engine shim; ROLE is prefill, decode or both (repeatable)")
+    add("--engine-dns", dest="engine_dns", action="append", metavar="NAME:PORT=ROLE",
+        help="a DNS name re-resolved periodically, e.g. a headless Service (repeatable)")
+    add("--engine-num-gpus", dest="engine_num_gpus", type=int, nargs="+", help="GPUs per --engine")
+    add("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"])
+    add("--pd-balance-factor", type=float)
+    add("--cache-aware", action="store_true", default=None)
+    add("--model", help="'tiny' or a local Hugging Face model directory (for the tokenizer)")
+    add("--model-id", help="id clients pass as model (default: from --model)")
+    add("--host")
+    add("--port", type=int)
+    add("--health-interval-s", type=float)
+    add("--first-token-timeout-s", type=float)
+    add("--inter-token-timeout-s", type=float)
+    add("--prep-recv-timeout-s", type=float)
+    add("--remote-send-timeout-s", type=float)
+    add("--max-attempts", type=int)
+    add("--token", help="shared bearer token for every hop")
+    add("--tls-cert")
+    add("--tls-key")
+    add("--tls-ca")
+    add("--log-level", default="INFO")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides: dict[str, Any] = {
+        key: value for key, value in vars(args).items()
+        if value is not None and key not in ("config", "log_level")
+    }
+    try:
+        settings = load_settings(args.config, **overrides)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"microserving router: invalid settings: {exc}", file=sys.stderr)
+        return 2
+    try:
+        router = Router(settings=settings)
+    except ValueError as exc:
+        print(f"microserving router: {exc}", file=sys.stderr)
+        return 2
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_forever(router, settings.host, settings.port))
+    return 0

@@ -1,0 +1,143 @@
+"""Input handling: turns a Router NewRequest into token ids (tokenized once, so every engine
+sees the same ids and windows) and checks sampling values and length up front.
+
+Raises InvalidRequestError (with the field at fault) or ModelNotFoundError; never asserts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from microserving.tokenizer import Tokenizer
+from microserving.v1 import common_pb2, router_pb2
+from router.errors import InvalidRequestError, ModelNotFoundError
+
+MAX_REQUEST_ID_CHARS = 256
+MAX_CHOICES = 16
+MAX_TOP_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request: the prompt as the engines will see it, plus what to run."""
+
+    request_id: str
+    model: str
+    token_ids: tuple[int, ...]
+    prompt_text: str
+    sampling: common_pb2.SamplingParams
+    hints: router_pb2.PatternHints
+    echo: bool
+
+
+def check_request_id(request_id: str) -> None:
+    if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError("request_id must hold 1..256 characters", param="request_id")
+
+
+def prepare(
+    request: router_pb2.NewRequest,
+    tokenizer: Tokenizer,
+    model_id: str,
+    max_context_length: int | None,
+) -> PreparedRequest:
+    """Validate `request` and tokenize its prompt."""
+    check_request_id(request.request_id)
+    if request.model and request.model != model_id:
+        raise ModelNotFoundError(f"model {request.model!r} is not served here", param="model")
+    check_sampling(request.sampling, tokenizer.vocab_size)
+    token_ids, text = _tokenize(request, tokenizer)
+    check_length(len(token_ids), request.sampling, max_context_length)
+    return PreparedRequest(
+        request_id=request.request_id,
+        model=model_id,
+        token_ids=tuple(token_ids),
+        prompt_text=text,
+        sampling=request.sampling,
+        hints=request.hints,
+        echo=request.echo,
+    )
+
+
+def _tokenize(request: router_pb2.NewRequest, tokenizer: Tokenizer) -> tuple[list[int], str]:
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        if not request.text:
+            raise InvalidRequestError("text must not be empty", param="text")
+        return tokenizer.encode(request.text), request.text
+    if kind == "token_ids":
+        ids = list(request.token_ids.ids)
+        if not ids:
+            raise InvalidRequestError("token_ids must not be empty", param="token_ids.ids")
+        vocab_size = tokenizer.vocab_size
+        if any(not 0 <= i < vocab_size for i in ids):
+            raise InvalidRequestError(f"token ids must lie in [0, {vocab_size})", param="token_ids.ids")
+        return ids, tokenizer.decode(ids, skip_special_tokens=False)
+    if kind == "chat":
+        return _tokenize_chat(request.chat, tokenizer)
+    raise InvalidRequestError("one of text, token_ids or chat is required", param="input")
+
+
+def _tokenize_chat(chat: router_pb2.ChatMessages, tokenizer: Tokenizer) -> tuple[list[int], str]:
+    messages = [{"role": m.role, "content": m.content} for m in chat.messages]
+    add_prompt = chat.add_generation_prompt if chat.HasField("add_generation_prompt") else True
+    try:
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_prompt)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="chat.messages") from exc
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise InvalidRequestError("the chat renders to an empty prompt", param="chat.messages")
+    return ids, text
+
+
+def _check_range(value: float, low: float, high: float, param: str) -> None:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise InvalidRequestError(f"{param.split('.')[-1]} must lie in [{low}, {high}]", param=param)
+
+
+def check_sampling(sampling: common_pb2.SamplingParams, vocab_size: int) -> None:
+    """OpenAI's ranges for every sampling value."""
+    if sampling.HasField("temperature"):
+        _check_range(sampling.temperature, 0.0, 2.0, "sampling.temperature")
+    if sampling.HasField("top_p") and not (0.0 < sampling.top_p <= 1.0):
+        raise InvalidRequestError("top_p must lie in (0, 1]", param="sampling.top_p")
+    if sampling.top_k < 0:
+        raise InvalidRequestError("top_k must be >= 0", param="sampling.top_k")
+    if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
+        raise InvalidRequestError("max_tokens must be >= 1", param="sampling.max_tokens")
+    if sampling.HasField("n") and not 1 <= sampling.n <= MAX_CHOICES:
+        raise InvalidRequestError(f"n must lie in [1, {MAX_CHOICES}]", param="sampling.n")
+    _check_range(sampling.frequency_penalty, -2.0, 2.0, "sampling.frequency_penalty")
+    _check_range(sampling.presence_penalty, -2.0, 2.0, "sampling.presence_penalty")
+    for token_id, bias in sampling.logit_bias.items():
+        if not 0 <= token_id < vocab_size:
+            raise InvalidRequestError("logit_bias keys must be token ids", param="sampling.logit_bias")
+        _check_range(bias, -100.0, 100.0, "sampling.logit_bias")
+    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
+        raise InvalidRequestError("top_logprobs must lie in [0, 20]", param="sampling.top_logprobs")
+    if len(sampling.stop) > MAX_STOP_STRINGS or any(not s for s in sampling.stop):
+        raise InvalidRequestError("stop takes up to 16 non-empty strings", param="sampling.stop")
+    if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
+        raise InvalidRequestError("stop_token_ids must be token ids", param="sampling.stop_token_ids")
+
+
+def check_length(
+    num_prompt_tokens: int, sampling: common_pb2.SamplingParams, max_context_length: int | None
+) -> None:
+    """The prompt plus the tokens asked for must fit the model's context."""
+    if max_context_length is None:
+        return  # no engine has reported yet; the engine checks again
+    if num_prompt_tokens >= max_context_length:
+        raise InvalidRequestError(
+            f"the prompt has {num_prompt_tokens} tokens; the context holds {max_context_length}",
+            param="input",
+        )
+    if sampling.HasField("max_tokens") and num_prompt_tokens + sampling.max_tokens > max_context_length:
+        raise InvalidRequestError(
+            f"prompt ({num_prompt_tokens}) + max_tokens ({sampling.max_tokens}) exceeds the "
+            f"context ({max_context_length})",
+            param="sampling.max_tokens",
+        )

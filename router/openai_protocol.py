@@ -1,0 +1,129 @@
+"""OpenAI completion request / response models with MLC-LLM's field names, so a custom router
+written against `mlc_llm.protocol.openai_api_protocol` ports with an import change.
+
+Extensions over MLC (all optional): `top_k` and `stop_token_ids` on the request, `token_ids`
+on a response choice (the router relays token ids, not only text).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger(__name__)
+
+
+class _LenientModel(BaseModel):
+    """Accepts unknown fields (clients send OpenAI fields MLC lacks) and logs which."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown_fields(self) -> _LenientModel:
+        if self.model_extra:
+            logger.debug("%s ignores fields %s", type(self).__name__, sorted(self.model_extra))
+        return self
+
+
+class StreamOptions(_LenientModel):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(_LenientModel):
+    type: Literal["text", "json_object"] = "text"
+    json_schema: str | None = Field(default=None, alias="schema")
+
+
+class DisaggConfig(_LenientModel):
+    kind: str | None = None
+    kv_append_metadata: list[int] = Field(default_factory=list)
+    kv_window_begin: int | None = None
+    kv_window_end: int | None = None
+    dst_group_offset: int | None = None
+
+
+class DebugConfig(_LenientModel):
+    ignore_eos: bool = False
+    pinned_system_prompt: bool = False
+    special_request: str | None = None
+    grammar_execution_mode: str = "jump_forward"
+    disagg_config: DisaggConfig | None = None
+
+
+class CompletionRequest(_LenientModel):
+    """OpenAI /v1/completions request as MLC's router receives it. `prompt` is text until the
+    router tokenizes it; translate_request always sees a list of token ids."""
+
+    model: str | None = None
+    prompt: str | list[int]
+    best_of: int = 1
+    echo: bool = False
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = None
+    n: int = 1
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    suffix: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    response_format: ResponseFormat | None = None
+    debug_config: DebugConfig | None = None
+    # Extensions (not in MLC): sampling knobs our contract carries.
+    top_k: int = 0
+    stop_token_ids: list[int] | None = None
+
+
+class TopLogProbs(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class LogProbsContent(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogProbs] = Field(default_factory=list)
+    token_id: int | None = None  # extension
+
+
+class LogProbs(BaseModel):
+    content: list[LogProbsContent] = Field(default_factory=list)
+
+
+FinishReasonText = Literal["stop", "length", "preempt", "abort", "error"]
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int = 0
+    text: str = ""
+    logprobs: LogProbs | None = None
+    finish_reason: FinishReasonText | None = None
+    token_ids: list[int] | None = None  # extension: the tokens behind `text`
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    extra: dict[str, Any] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """One /v1/completions response (or one stream chunk of it)."""
+
+    id: str
+    choices: list[CompletionResponseChoice]
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str | None = None
+    object: str = "text_completion"
+    usage: UsageInfo | None = None

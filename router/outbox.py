@@ -1,0 +1,96 @@
+"""The outgoing side of one Router.Generate stream, shared by all its requests.
+
+Token relay: a delta goes out as soon as the writer is free (the first token is never held
+back); deltas of the same choice that queue up while the writer waits on the client are
+merged into the one queued message, so a slow reader gets fewer, larger messages instead of
+a growing backlog.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from collections.abc import Iterable
+
+from microserving.v1 import common_pb2, router_pb2
+
+
+class StreamError(Exception):
+    """A stream-level fault (malformed client message): ends the call with INVALID_ARGUMENT."""
+
+
+_END = object()
+
+
+class Outbox:
+    def __init__(self) -> None:
+        self._queue: deque[object] = deque()
+        self._pending: dict[tuple[str, int], router_pb2.GenerateResponse] = {}
+        self._wakeup = asyncio.Event()
+        self.num_merged = 0
+
+    def _append(self, item: object) -> None:
+        self._queue.append(item)
+        self._wakeup.set()
+
+    def put(self, response: router_pb2.GenerateResponse) -> None:
+        self._append(response)
+
+    def put_delta(
+        self,
+        request_id: str,
+        index: int,
+        token_ids: Iterable[int],
+        text: str,
+        logprobs: Iterable[common_pb2.TokenLogprob] = (),
+        finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED,
+    ) -> None:
+        key = (request_id, index)
+        queued = self._pending.get(key)
+        if queued is not None:
+            delta = queued.delta
+            delta.token_ids.extend(token_ids)
+            delta.text += text
+            delta.logprobs.extend(logprobs)
+            delta.finish_reason = finish_reason  # type: ignore[assignment]
+            self.num_merged += 1
+        else:
+            queued = router_pb2.GenerateResponse(
+                request_id=request_id,
+                delta=common_pb2.ChoiceDelta(
+                    index=index, token_ids=token_ids, text=text, logprobs=logprobs,
+                    finish_reason=finish_reason,  # type: ignore[arg-type]
+                ),
+            )
+            self._append(queued)
+            self._pending[key] = queued
+        if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+            self._pending.pop(key, None)  # nothing may merge past a choice's last delta
+
+    def seal(self, request_id: str, num_choices: int) -> None:
+        """The request is over: later messages must not merge into its queued deltas."""
+        for index in range(num_choices):
+            self._pending.pop((request_id, index), None)
+
+    def fail(self, error: StreamError) -> None:
+        self._append(error)
+
+    def close(self) -> None:
+        self._append(_END)
+
+    async def get(self) -> router_pb2.GenerateResponse | None:
+        """The next message; None once closed. Raises StreamError for a stream fault."""
+        while not self._queue:
+            self._wakeup.clear()
+            await self._wakeup.wait()
+        item = self._queue.popleft()
+        if item is _END:
+            return None
+        if isinstance(item, StreamError):
+            raise item
+        assert isinstance(item, router_pb2.GenerateResponse)  # only these are queued
+        if item.HasField("delta"):
+            key = (item.request_id, item.delta.index)
+            if self._pending.get(key) is item:
+                del self._pending[key]
+        return item

@@ -1,0 +1,180 @@
+"""Runs one client request through Router.translate_request and relays its output.
+
+Owns the request-level guarantees: retry on another engine only before the first token was
+streamed; bounded resume after a preempt from prompt + tokens already streamed (so text is
+never duplicated); Abort fanned out to every engine an attempt touched whenever it did not
+finish cleanly (failure, cancel, preempt); exactly one finish per choice, then one done or
+one error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import logging
+import uuid
+
+import grpc
+
+from microserving.v1 import common_pb2, router_pb2
+from router.context import RequestContext
+from router.conversions import TEXT_TO_FINISH, logprobs_to_proto, sampling_to_request_fields
+from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
+from router.inputs import PreparedRequest
+from router.openai_protocol import CompletionRequest
+from router.outbox import Outbox
+from router.router import Router
+
+logger = logging.getLogger(__name__)
+
+
+class _Outcome(enum.Enum):
+    DONE = "done"
+    PREEMPTED = "preempted"
+
+
+class RequestRunner:
+    def __init__(self, router: Router, prepared: PreparedRequest, outbox: Outbox) -> None:
+        self._router = router
+        self._prepared = prepared
+        self._outbox = outbox
+        sampling = prepared.sampling
+        self._num_choices = sampling.n if sampling.HasField("n") else 1
+        self._streamed: list[list[int]] = [[] for _ in range(self._num_choices)]
+        self._finished: dict[int, int] = {}
+        self._completion_before_attempt = 0
+        self._cached_tokens = 0
+        self._engine_completion: int | None = None
+        self._id_base = uuid.uuid4().hex
+        self._engines: list[str] = []
+
+    @property
+    def num_streamed(self) -> int:
+        return sum(len(ids) for ids in self._streamed)
+
+    async def run(self) -> None:
+        rid = self._prepared.request_id
+        try:
+            if self._prepared.echo:
+                prompt = router_pb2.PromptInfo(token_ids=self._prepared.token_ids, text=self._prepared.prompt_text)
+                self._outbox.put(router_pb2.GenerateResponse(request_id=rid, prompt=prompt))
+            await self._run_attempts()
+            self._emit_done()
+        except asyncio.CancelledError:
+            self._emit_done(cancelled=True)  # the client cancelled this request
+        except RouterError as exc:
+            self._emit_error(exc.code, exc.message, exc.param)
+        except Exception:
+            logger.exception("request %s failed", rid)
+            self._emit_error(grpc.StatusCode.INTERNAL, "internal router error", "")
+        finally:
+            self._outbox.seal(rid, self._num_choices)
+
+    async def _run_attempts(self) -> None:
+        settings = self._router.settings
+        excluded: set[str] = set()
+        num_failures = num_preempts = 0
+        while True:
+            ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
+                                 hints=self._prepared.hints, excluded=set(excluded))
+            try:
+                outcome = await self._attempt(ctx)
+            except EngineCallError as exc:
+                await _abort(self._router, ctx)
+                num_failures += 1
+                if self.num_streamed or not exc.is_retryable or num_failures >= settings.max_attempts:
+                    raise
+                excluded.add(exc.address)
+                logger.info("retrying %s elsewhere after %s", self._prepared.request_id, exc.message)
+                continue
+            except BaseException:
+                await _abort(self._router, ctx)
+                raise
+            finally:
+                self._router.close_context(ctx)
+            if outcome is _Outcome.DONE:
+                self._engines = ctx.used
+                return
+            await _abort(self._router, ctx)
+            num_preempts += 1
+            if num_preempts > settings.max_preempt_retries:
+                raise PreemptedTooOftenError("the request was preempted too often; try again later")
+            if self.num_streamed and self._num_choices > 1:
+                raise PreemptedTooOftenError("preempted after streaming; n > 1 cannot be resumed")
+            if self._is_complete():
+                return
+
+    def _is_complete(self) -> bool:
+        max_tokens = self._max_tokens()
+        return max_tokens is not None and self.num_streamed >= max_tokens
+
+    def _max_tokens(self) -> int | None:
+        sampling = self._prepared.sampling
+        return sampling.max_tokens if sampling.HasField("max_tokens") else None
+
+    def _request(self, engine_request_id: str) -> CompletionRequest:
+        """The request of the next attempt: a resume continues after the streamed tokens."""
+        fields = sampling_to_request_fields(self._prepared.sampling)
+        streamed = self._streamed[0] if self._num_choices == 1 else []
+        max_tokens = self._max_tokens()
+        if max_tokens is not None:
+            fields["max_tokens"] = max_tokens - len(streamed)
+        return CompletionRequest.model_validate({
+            **fields, "model": self._prepared.model, "stream": True, "user": engine_request_id,
+            "prompt": [*self._prepared.token_ids, *streamed],
+        })
+
+    async def _attempt(self, ctx: RequestContext) -> _Outcome:
+        self._router.open_context(ctx.engine_request_id, ctx)
+        self._completion_before_attempt = self.num_streamed
+        request = self._request(ctx.engine_request_id)
+        rid = self._prepared.request_id
+        generator = self._router.translate_request(request, ctx.engine_request_id)
+        async with contextlib.aclosing(generator):
+            async for response in generator:
+                if response is None:
+                    return _Outcome.PREEMPTED
+                for choice in response.choices:
+                    reason = TEXT_TO_FINISH.get(choice.finish_reason or "", 0)
+                    if reason == common_pb2.FINISH_REASON_PREEMPT:
+                        return _Outcome.PREEMPTED
+                    ids = choice.token_ids or ()
+                    self._streamed[choice.index].extend(ids)
+                    self._outbox.put_delta(rid, choice.index, ids, choice.text,
+                                           logprobs_to_proto(choice.logprobs), reason)
+                    if reason:
+                        self._finished[choice.index] = reason
+                if response.usage is not None:
+                    self._engine_completion = response.usage.completion_tokens
+                    self._cached_tokens = int((response.usage.extra or {}).get("cached_tokens", 0))
+        return _Outcome.DONE
+
+    def _usage(self) -> common_pb2.Usage:
+        prompt_tokens = len(self._prepared.token_ids)
+        if self._engine_completion is not None:
+            completion = self._completion_before_attempt + self._engine_completion
+        else:
+            completion = self.num_streamed
+        return common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                                total_tokens=prompt_tokens + completion, cached_tokens=self._cached_tokens)
+
+    def _emit_done(self, cancelled: bool = False) -> None:
+        rid = self._prepared.request_id
+        default = common_pb2.FINISH_REASON_ABORT if cancelled else common_pb2.FINISH_REASON_LENGTH
+        for index in range(self._num_choices):
+            reason = self._finished.get(index, default)
+            finish = router_pb2.ChoiceFinish(index=index, reason=reason)  # type: ignore[arg-type]
+            self._outbox.put(router_pb2.GenerateResponse(request_id=rid, finish=finish))
+        done = router_pb2.RequestDone(usage=self._usage(), engines=self._engines)
+        self._outbox.put(router_pb2.GenerateResponse(request_id=rid, done=done))
+
+    def _emit_error(self, code: grpc.StatusCode, message: str, param: str) -> None:
+        error = router_pb2.RequestError(code=code.value[0], message=message, param=param)
+        self._outbox.put(router_pb2.GenerateResponse(request_id=self._prepared.request_id, error=error))
+
+
+async def _abort(router: Router, ctx: RequestContext) -> None:
+    """Abort on every touched engine; shielded so a second cancel cannot skip the cleanup."""
+    if ctx.touched:
+        await asyncio.shield(router.abort_touched(ctx))

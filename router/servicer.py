@@ -1,0 +1,162 @@
+"""The Router gRPC service: a thin layer that turns wire messages into router calls.
+
+Generate reads the client's stream in a task of its own (start / cancel), runs each request
+in a RequestRunner task and writes the shared Outbox back. Router errors are mapped to status
+codes once, in `_map_errors`, for the unary RPCs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from grpc import aio
+
+from microserving.v1 import router_pb2, router_pb2_grpc
+from router.errors import InvalidRequestError, RouterError
+from router.inputs import prepare
+from router.outbox import Outbox, StreamError
+from router.router import Router
+from router.runner import RequestRunner
+
+logger = logging.getLogger(__name__)
+
+_PATTERNS = {
+    "round-robin": router_pb2.PATTERN_ROUND_ROBIN,
+    "disagg": router_pb2.PATTERN_DISAGG,
+    "adaptive-disagg": router_pb2.PATTERN_ADAPTIVE_DISAGG,
+}
+Reply = TypeVar("Reply")
+
+
+def _map_errors(
+    method: Callable[[Any, Any, aio.ServicerContext], Awaitable[Reply]],
+) -> Callable[[Any, Any, aio.ServicerContext], Awaitable[Reply]]:
+    @functools.wraps(method)
+    async def wrapper(self: Any, request: Any, context: aio.ServicerContext) -> Reply:
+        try:
+            return await method(self, request, context)
+        except RouterError as exc:
+            await context.abort(exc.code, exc.message)
+            raise  # abort raises; this line is not reached
+        except Exception:
+            logger.exception("%s failed", method.__name__)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal router error")
+            raise
+
+    return wrapper
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router) -> None:
+        self._router = router
+        self._num_inflight = 0
+
+    async def Generate(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        outbox = Outbox()
+        runners: dict[str, asyncio.Task[None]] = {}
+        reader = asyncio.get_running_loop().create_task(self._read(request_iterator, outbox, runners))
+        try:
+            while True:
+                try:
+                    message = await outbox.get()
+                except StreamError as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                    return
+                if message is None:
+                    return
+                yield message
+        finally:
+            reader.cancel()
+            tasks = list(runners.values())
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(reader, *tasks, return_exceptions=True)
+
+    async def _read(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], outbox: Outbox,
+        runners: dict[str, asyncio.Task[None]],
+    ) -> None:
+        try:
+            async for message in request_iterator:
+                action = message.WhichOneof("action")
+                if action == "generate":
+                    self._start(message.generate, outbox, runners)
+                elif action == "cancel":
+                    task = runners.get(message.cancel.request_id)
+                    if task is not None:
+                        task.cancel()
+                else:
+                    raise StreamError("a GenerateRequest must set generate or cancel")
+        except StreamError as exc:
+            outbox.fail(exc)
+            return
+        if runners:
+            await asyncio.gather(*runners.values(), return_exceptions=True)
+        outbox.close()
+
+    def _start(self, new: router_pb2.NewRequest, outbox: Outbox, runners: dict[str, asyncio.Task[None]]) -> None:
+        if not new.request_id:
+            raise StreamError("generate.request_id must be set")
+        if new.request_id in runners:
+            raise StreamError(f"request_id {new.request_id!r} is already active on this stream")
+        task = asyncio.get_running_loop().create_task(self._run(new, outbox))
+        runners[new.request_id] = task
+        task.add_done_callback(lambda _: runners.pop(new.request_id, None))
+
+    async def _run(self, new: router_pb2.NewRequest, outbox: Outbox) -> None:
+        router = self._router
+        self._num_inflight += 1
+        try:
+            try:
+                prepared = prepare(new, router.tokenizer, router.model_id, router.registry.max_context_length)
+            except RouterError as exc:
+                error = router_pb2.RequestError(code=exc.code.value[0], message=exc.message, param=exc.param)
+                outbox.put(router_pb2.GenerateResponse(request_id=new.request_id, error=error))
+                return
+            await RequestRunner(router, prepared, outbox).run()
+        finally:
+            self._num_inflight -= 1
+
+    @_map_errors
+    async def ListModels(
+        self, request: router_pb2.ListModelsRequest, context: aio.ServicerContext
+    ) -> router_pb2.ListModelsResponse:
+        router = self._router
+        model = router_pb2.ModelInfo(
+            id=router.model_id, created=router.created, owned_by="microserving",
+            max_context_length=router.registry.max_context_length or 0,
+        )
+        return router_pb2.ListModelsResponse(models=[model])
+
+    @_map_errors
+    async def GetStatus(
+        self, request: router_pb2.RouterGetStatusRequest, context: aio.ServicerContext
+    ) -> router_pb2.RouterGetStatusResponse:
+        router = self._router
+        return router_pb2.RouterGetStatusResponse(
+            pattern=_PATTERNS[router.router_mode],  # type: ignore[arg-type]
+            pd_balance_factor=router.pd_balance_factor,
+            cache_aware=router.cache_aware,
+            engines=[e.to_info() for e in router.registry.endpoints],
+            num_inflight_requests=self._num_inflight,
+        )
+
+    @_map_errors
+    async def MigrateContext(
+        self, request: router_pb2.MigrateContextRequest, context: aio.ServicerContext
+    ) -> router_pb2.MigrateContextResponse:
+        if not request.target:
+            raise InvalidRequestError("target must be set", param="target")
+        matched, moved, source = await self._router.migrate_context(
+            list(request.token_ids.ids), request.source, request.target
+        )
+        return router_pb2.MigrateContextResponse(
+            prefix_matched_length=matched, num_tokens_moved=moved, source=source
+        )
