@@ -1,0 +1,76 @@
+"""The one small interface every engine backend implements (embedded torch engine, MLC-LLM),
+and the shim-level results it returns. The servicer validates before calling any of these."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from engine_shim.engine.api import EngineStatus, GenerateOutput, KVLayout, SamplingParams
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """What the shim needs to know about its engine to validate calls up front."""
+
+    name: str  # "embedded" | "mlc"
+    model_id: str
+    device: str
+    vocab_size: int
+    max_context_length: int
+    kv_layout: KVLayout | None  # None when the backend does not expose it (MLC)
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """Result of prep_recv: the slots reserved on this engine, described for the sender."""
+
+    request_id: str
+    end: int  # normalised window end
+    prefix_matched_length: int
+    kv_addr_info: bytes  # opaque to the router
+
+
+@dataclass(frozen=True)
+class SendResult:
+    num_tokens_sent: int
+    num_bytes_sent: int
+    num_cached_tokens: int
+
+
+class Backend(Protocol):
+    """An engine behind the shim. Windows reaching it are normalised and valid."""
+
+    @property
+    def info(self) -> BackendInfo: ...
+
+    async def start(self, advertise_address: str) -> None:
+        """Load and warm up; `advertise_address` is where peers reach this shim."""
+
+    async def shutdown(self) -> None: ...
+
+    async def prep_recv(
+        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
+    ) -> Reservation: ...
+
+    async def remote_send(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        begin: int,
+        end: int,
+        kv_addr_info: bytes,
+        recv_rank: int,
+        sampling: SamplingParams,
+    ) -> SendResult: ...
+
+    def generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+    ) -> AsyncIterator[GenerateOutput]:
+        """Stream outputs; closing the iterator early aborts the request."""
+        ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    async def status(self) -> EngineStatus: ...

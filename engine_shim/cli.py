@@ -1,0 +1,83 @@
+"""`microserving shim`: flags -> ShimSettings (flags override MICROSERVING_SHIM_* variables)
+-> ShimServer; SIGTERM / SIGINT drain in-flight calls within --drain-grace-s, then stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from pydantic import ValidationError
+
+from engine_shim.settings import ShimSettings
+
+logger = logging.getLogger("engine_shim")
+
+# flag -> settings field; flags left out fall back to the environment, then the defaults.
+_FLAGS: tuple[tuple[str, type, str], ...] = (
+    ("--backend", str, "embedded | mlc"),
+    ("--model", str, "model preset (tiny, llama-100m) or local Hugging Face directory"),
+    ("--host", str, "interface to bind (default 127.0.0.1)"),
+    ("--port", int, "gRPC port; 0 picks a free one (the bound port is printed)"),
+    ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),
+    ("--device", str, "cpu | cuda | cuda:N (embedded)"),
+    ("--role", str, "prefill | decode | both"),
+    ("--dtype", str, "float32 | bfloat16 | float16 (embedded)"),
+    ("--page-size", int, "tokens per KV page (embedded)"),
+    ("--num-pages", int, "KV pages in the pool (embedded)"),
+    ("--kv-cache-memory-mb", int, "KV pool budget when --num-pages is not given"),
+    ("--reservation-ttl-s", float, "seconds a PrepRecv reservation waits for its StartGenerate"),
+    ("--mlc-url", str, "base URL of a running MLC-LLM server (mlc backend)"),
+    ("--mlc-model-lib", str, "model lib: start `mlc_llm serve` when no --mlc-url is given"),
+    ("--mlc-timeout-s", float, "upper bound of one MLC HTTP call"),
+    ("--drain-grace-s", float, "seconds in-flight calls get on SIGTERM / SIGINT"),
+    ("--kv-push-chunk-bytes", int, "largest KV payload of one PushKV message"),
+    ("--log-level", str, "logging level"),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="microserving shim",
+        description="Serve one engine over gRPC (microserving.v1.Engine). TLS and the token are "
+        "set through MICROSERVING_SHIM_TLS_CERT/_TLS_KEY/_TLS_CA/_TOKEN.",
+    )
+    for flag, kind, help_ in _FLAGS:
+        parser.add_argument(flag, type=kind, default=None, help=help_)
+    return parser
+
+
+def parse_settings(argv: list[str]) -> ShimSettings:
+    args = vars(_parser().parse_args(argv))
+    return ShimSettings(**{name: value for name, value in args.items() if value is not None})
+
+
+async def run(settings: ShimSettings) -> None:
+    from engine_shim.server import ShimServer
+
+    server = ShimServer(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    await server.start()
+    print(f"microserving shim listening on {server.address}", flush=True)
+    logger.info("serving %s (%s backend) on %s", settings.model, settings.backend, server.address)
+    await stop.wait()
+    logger.info("draining for up to %.1f s", settings.drain_grace_s)
+    await server.stop()
+
+
+def main(argv: list[str]) -> int:
+    try:
+        settings = parse_settings(argv)
+    except ValidationError as error:
+        print(f"microserving shim: invalid settings:\n{error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    asyncio.run(run(settings))
+    return 0

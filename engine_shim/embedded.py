@@ -1,0 +1,166 @@
+"""The embedded backend: the in-process AsyncEngine behind the shim, plus this shim's side of
+the KV data plane (reservations described by kv_addr_info, pushes to peer shims). Every call
+into engine_shim.engine goes through this file."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
+
+from engine_shim.backend import BackendInfo, Reservation, SendResult
+from engine_shim.engine.api import (
+    EngineStatus,
+    GenerateOutput,
+    InvalidRequestError,
+    KVChunk,
+    KVLayout,
+    SamplingParams,
+    UnavailableError,
+)
+from engine_shim.engine.config import EngineConfig
+from engine_shim.kv_addr import KVAddrInfo
+from engine_shim.kv_receiver import KVTransferServicer, ReceiveTable, check_layout
+from engine_shim.kv_sender import PeerChannels, push_kv
+from engine_shim.settings import ShimSettings
+
+if TYPE_CHECKING:
+    from engine_shim.engine.async_engine import AsyncEngine
+
+
+def engine_config(settings: ShimSettings) -> EngineConfig:
+    return EngineConfig(
+        model=settings.model,
+        device=settings.device,
+        dtype=settings.dtype,
+        page_size=settings.page_size,
+        num_pages=settings.num_pages,
+        kv_cache_memory_mb=settings.kv_cache_memory_mb,
+        reservation_ttl_s=settings.reservation_ttl_s,
+    )
+
+
+class EmbeddedBackend:
+    def __init__(self, settings: ShimSettings) -> None:
+        self._settings = settings
+        self._engine: AsyncEngine | None = None
+        self._info: BackendInfo | None = None
+        self._table = ReceiveTable(settings.reservation_ttl_s)
+        self._peers = PeerChannels(settings.transport())
+        self._address = ""
+
+    @property
+    def engine(self) -> AsyncEngine:
+        if self._engine is None:
+            raise RuntimeError("embedded backend not started")
+        return self._engine
+
+    @property
+    def info(self) -> BackendInfo:
+        if self._info is None:
+            raise RuntimeError("embedded backend not started")
+        return self._info
+
+    async def start(self, advertise_address: str) -> None:
+        from engine_shim.engine.async_engine import AsyncEngine  # torch loads here
+
+        self._address = advertise_address
+        engine = AsyncEngine(engine_config(self._settings))
+        await engine.start()
+        self._engine = engine
+        self._info = BackendInfo(
+            name="embedded",
+            model_id=engine.model_id,
+            device=self._settings.device,
+            vocab_size=engine.vocab_size,
+            max_context_length=engine.max_context_length,
+            kv_layout=engine.kv_layout,
+        )  # AsyncEngine.start() has loaded the model and run a warm-up pass
+
+    async def shutdown(self) -> None:
+        await self._peers.close()
+        if self._engine is not None:
+            await self._engine.shutdown()
+
+    @property
+    def kv_layout(self) -> KVLayout:
+        if self._engine is None:
+            raise UnavailableError("engine is still loading")
+        return self._engine.kv_layout
+
+    def kv_transfer_servicer(self) -> KVTransferServicer:
+        return KVTransferServicer(self._table, self)
+
+    async def prep_recv(
+        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
+    ) -> Reservation:
+        result = await self.engine.prep_recv(request_id, list(token_ids), end, sampling)
+        ticket = self._table.open(request_id, result.prefix_matched_length, result.end)
+        addr = KVAddrInfo(
+            address=self._address,
+            request_id=request_id,
+            reservation_token=ticket.token,
+            begin=result.prefix_matched_length,
+            end=result.end,
+            kv_segments=tuple(result.kv_segments),
+            layout=self.engine.kv_layout,
+        )
+        return Reservation(request_id, result.end, result.prefix_matched_length, addr.encode())
+
+    async def remote_send(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        begin: int,
+        end: int,
+        kv_addr_info: bytes,
+        recv_rank: int,
+        sampling: SamplingParams,
+    ) -> SendResult:
+        addr = KVAddrInfo.decode(kv_addr_info)
+        _check_window_fits(request_id, begin, end, addr)
+        check_layout(addr.layout, self.engine.kv_layout)
+        if addr.begin >= end:  # the receiver already holds the whole window
+            return SendResult(0, 0, 0)
+        chunks: AsyncIterator[KVChunk] = self.engine.remote_send(
+            request_id, list(token_ids), addr.begin, end
+        )
+        num_tokens, num_bytes = await push_kv(
+            self._peers, addr, chunks, max_payload_bytes=self._settings.kv_push_chunk_bytes
+        )
+        return SendResult(num_tokens, num_bytes, 0)
+
+    async def generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+    ) -> AsyncIterator[GenerateOutput]:
+        self._table.close(request_id)  # the reservation is consumed from here on
+        outputs = self.engine.generate(request_id, list(token_ids), begin, sampling)
+        try:
+            async for output in outputs:
+                yield output
+        finally:
+            await outputs.aclose()  # AsyncEngine aborts a request whose stream closes early
+
+    async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+        await self.engine.import_kv(request_id, chunk)
+
+    async def abort(self, request_id: str) -> bool:
+        self._table.close(request_id)
+        return bool(await self.engine.abort(request_id))
+
+    async def status(self) -> EngineStatus:
+        return self.engine.status()
+
+
+def _check_window_fits(request_id: str, begin: int, end: int, addr: KVAddrInfo) -> None:
+    """The sender's window must cover exactly the receiver's reserved slots (MLC checks this
+    fatally inside its engine; here it is a clean INVALID_ARGUMENT)."""
+    if addr.request_id != request_id:
+        raise InvalidRequestError(
+            f"kv_addr_info belongs to request {addr.request_id!r}, not {request_id!r}"
+        )
+    if end != addr.end:
+        raise InvalidRequestError(f"end={end} differs from the receiver's reserved end {addr.end}")
+    if begin > addr.begin:
+        raise InvalidRequestError(
+            f"begin={begin} is past the receiver's prefix_matched_length {addr.begin}"
+        )

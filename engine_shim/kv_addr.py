@@ -1,0 +1,50 @@
+"""The embedded backend's `kv_addr_info`: self-describing JSON bytes that tell a sender where
+to push KV (the receiver's data-plane address), which reservation it fills (request id and a
+random token), which slots (MLC-style segments) and what KV layout the receiver expects.
+Opaque to the router, which passes it through unchanged."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from engine_shim.engine.api import InvalidRequestError, KVLayout
+
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KVAddrInfo:
+    address: str  # host:port of the receiving shim's KVTransfer service
+    request_id: str
+    reservation_token: str
+    begin: int  # first position the receiver expects (its prefix_matched_length)
+    end: int  # exclusive end of the reserved window
+    kv_segments: tuple[int, ...]  # MLC's [n, begin_1, len_1, ...] absolute slot list
+    layout: KVLayout
+
+    def encode(self) -> bytes:
+        body: dict[str, Any] = {"version": FORMAT_VERSION, **asdict(self)}
+        body["kv_segments"] = list(self.kv_segments)
+        return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> KVAddrInfo:
+        try:
+            body = json.loads(raw.decode("utf-8"))
+            if body.get("version") != FORMAT_VERSION:
+                raise InvalidRequestError(f"kv_addr_info version {body.get('version')!r} unknown")
+            return cls(
+                address=str(body["address"]),
+                request_id=str(body["request_id"]),
+                reservation_token=str(body["reservation_token"]),
+                begin=int(body["begin"]),
+                end=int(body["end"]),
+                kv_segments=tuple(int(x) for x in body["kv_segments"]),
+                layout=KVLayout(**body["layout"]),
+            )
+        except InvalidRequestError:
+            raise
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise InvalidRequestError(f"malformed kv_addr_info: {error}") from None

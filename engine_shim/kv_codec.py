@@ -1,0 +1,52 @@
+"""KV tensors <-> the bytes of KVChunkData. A chunk's tensor has shape
+[num_layers, 2, num_tokens, num_kv_heads, head_dim] (2 = key, value); messages split it along
+the token axis so none exceeds the configured payload size."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import torch
+
+from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(layout: KVLayout) -> torch.dtype:
+    return _DTYPES[layout.dtype]
+
+
+def bytes_per_token(layout: KVLayout) -> int:
+    element_size = torch.empty((), dtype=torch_dtype(layout)).element_size()
+    return layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * element_size
+
+
+def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> Iterator[tuple[int, int, bytes]]:
+    """(begin, num_tokens, raw bytes) pieces of `chunk`, each at most max_payload_bytes
+    (one token at least)."""
+    data = chunk.data
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"KVChunk.data must be a torch.Tensor, got {type(data).__name__}")
+    data = data.detach().to("cpu")
+    per_token = data[:, :, :1].numel() * data.element_size()
+    step = max(1, max_payload_bytes // max(1, per_token))
+    for offset in range(0, chunk.num_tokens, step):
+        count = min(step, chunk.num_tokens - offset)
+        piece = data[:, :, offset : offset + count].contiguous()
+        yield chunk.begin + offset, count, piece.view(torch.uint8).numpy().tobytes()
+
+
+def chunk_from_bytes(begin: int, num_tokens: int, raw: bytes, layout: KVLayout) -> KVChunk:
+    expected = num_tokens * bytes_per_token(layout)
+    if num_tokens < 1 or len(raw) != expected:
+        raise InvalidRequestError(
+            f"KV chunk of {num_tokens} tokens must carry {expected} bytes, got {len(raw)}"
+        )
+    with warnings.catch_warnings():
+        # frombuffer warns that bytes are read-only; the engine copies them into its pool.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(raw, dtype=torch_dtype(layout))
+    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    return KVChunk(begin=begin, num_tokens=num_tokens, data=flat.view(shape))

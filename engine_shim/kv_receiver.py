@@ -1,0 +1,133 @@
+"""The receiving side of the KV data plane: the reservations PrepRecv opened (each guarded by
+a random token) and the KVTransfer servicer that checks a push's layout and window and writes
+its chunks into the engine. A push that breaks off aborts its reservation."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+from grpc import aio
+
+from engine_shim.convert import layout_from_pb
+from engine_shim.engine.api import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    KVChunk,
+    KVLayout,
+    NotFoundError,
+)
+from engine_shim.errors import map_errors
+from engine_shim.kv_codec import chunk_from_bytes
+from microserving.v1 import engine_pb2, engine_pb2_grpc
+
+
+@dataclass
+class Ticket:
+    token: str
+    begin: int  # first position to receive (the receiver's prefix_matched_length)
+    end: int
+    expires_at_s: float
+    is_receiving: bool = False
+
+
+class ReceiveTable:
+    """Open reservations by request id; expired ones are invisible (the engine's TTL frees
+    their pages)."""
+
+    def __init__(self, ttl_s: float) -> None:
+        self._ttl_s = ttl_s
+        self._tickets: dict[str, Ticket] = {}
+
+    def open(self, request_id: str, begin: int, end: int) -> Ticket:
+        ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s)
+        self._tickets[request_id] = ticket
+        return ticket
+
+    def claim(self, request_id: str, token: str) -> Ticket:
+        ticket = self._tickets.get(request_id)
+        if ticket is not None and ticket.expires_at_s <= time.monotonic():
+            del self._tickets[request_id]
+            ticket = None
+        if ticket is None or not secrets.compare_digest(ticket.token, token):
+            raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
+        if ticket.is_receiving:
+            raise AlreadyExistsError(f"a KV push for {request_id!r} is already in progress")
+        ticket.is_receiving = True
+        return ticket
+
+    def close(self, request_id: str) -> None:
+        self._tickets.pop(request_id, None)
+
+
+class KVSink(Protocol):
+    @property
+    def kv_layout(self) -> KVLayout:
+        """The receiver's layout; raises UnavailableError while the engine loads."""
+        ...
+
+    async def import_kv(self, request_id: str, chunk: KVChunk) -> None: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+
+def check_layout(theirs: KVLayout, ours: KVLayout) -> None:
+    if theirs != ours:
+        fields = [name for name in vars(ours) if getattr(theirs, name) != getattr(ours, name)]
+        raise FailedPreconditionError(f"incompatible KV layout: {', '.join(fields)} differ")
+
+
+class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
+    def __init__(self, table: ReceiveTable, sink: KVSink) -> None:
+        self._table = table
+        self._sink = sink
+
+    @map_errors
+    async def PushKV(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.PushKVRequest],
+        context: aio.ServicerContext,
+    ) -> engine_pb2.PushKVResponse:
+        messages = aiter(request_iterator)
+        first = await anext(messages, None)
+        if first is None or first.WhichOneof("payload") != "header":
+            raise InvalidRequestError("a PushKV stream must start with its header")
+        header = first.header
+        check_layout(layout_from_pb(header.layout), self._sink.kv_layout)
+        ticket = self._table.claim(header.request_id, header.reservation_token)
+        try:
+            num_bytes = await self._receive(header.request_id, ticket, messages)
+        except BaseException:
+            # Broken off, cancelled or invalid: nothing stays reserved.
+            self._table.close(header.request_id)
+            await self._sink.abort(header.request_id)
+            raise
+        ticket.is_receiving = False
+        return engine_pb2.PushKVResponse(
+            num_tokens_written=ticket.end - ticket.begin, num_bytes_written=num_bytes
+        )
+
+    async def _receive(
+        self, request_id: str, ticket: Ticket, messages: AsyncIterator[engine_pb2.PushKVRequest]
+    ) -> int:
+        position, num_bytes = ticket.begin, 0
+        async for message in messages:
+            if message.WhichOneof("payload") != "chunk":
+                raise InvalidRequestError("only chunks may follow the PushKV header")
+            chunk = message.chunk
+            if chunk.begin != position or chunk.begin + chunk.num_tokens > ticket.end:
+                raise InvalidRequestError(
+                    f"chunk [{chunk.begin}, {chunk.begin + chunk.num_tokens}) does not continue "
+                    f"the reserved window at {position} (end {ticket.end})"
+                )
+            kv = chunk_from_bytes(chunk.begin, chunk.num_tokens, chunk.data, self._sink.kv_layout)
+            await self._sink.import_kv(request_id, kv)
+            position += chunk.num_tokens
+            num_bytes += len(chunk.data)
+        if position != ticket.end:
+            raise InvalidRequestError(f"KV push ended at {position}, reservation ends {ticket.end}")
+        return num_bytes

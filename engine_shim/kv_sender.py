@@ -1,0 +1,107 @@
+"""The sending side of the KV data plane: pooled channels to peer shims (built with
+microserving.transport, so TLS and the token apply) and the PushKV client stream."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+from grpc import aio
+
+from engine_shim.convert import layout_to_pb
+from engine_shim.engine.api import (
+    EngineError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    KVChunk,
+    NotFoundError,
+    UnavailableError,
+)
+from engine_shim.kv_addr import KVAddrInfo
+from engine_shim.kv_codec import split_chunk
+from microserving.transport import TransportSettings, create_channel
+from microserving.v1 import engine_pb2, engine_pb2_grpc
+
+_PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+}
+
+
+class PeerChannels:
+    """One channel per peer address, reused by every transfer to that peer."""
+
+    def __init__(self, transport: TransportSettings) -> None:
+        self._transport = transport
+        self._stubs: dict[str, engine_pb2_grpc.KVTransferStub] = {}
+        self._channels: list[aio.Channel] = []
+
+    def stub(self, address: str) -> engine_pb2_grpc.KVTransferStub:
+        stub = self._stubs.get(address)
+        if stub is None:
+            channel = create_channel(address, self._transport)
+            self._channels.append(channel)
+            stub = self._stubs[address] = engine_pb2_grpc.KVTransferStub(channel)
+        return stub
+
+    async def close(self) -> None:
+        for channel in self._channels:
+            await channel.close()
+        self._channels.clear()
+        self._stubs.clear()
+
+
+class _Progress:
+    """What the request stream saw: bytes sent and the engine's error, if it raised one."""
+
+    def __init__(self) -> None:
+        self.num_bytes = 0
+        self.error: BaseException | None = None
+
+
+async def _messages(
+    addr: KVAddrInfo, chunks: AsyncIterator[KVChunk], max_payload_bytes: int, progress: _Progress
+) -> AsyncIterator[engine_pb2.PushKVRequest]:
+    header = engine_pb2.KVPushHeader(
+        request_id=addr.request_id,
+        reservation_token=addr.reservation_token,
+        layout=layout_to_pb(addr.layout),
+    )
+    yield engine_pb2.PushKVRequest(header=header)
+    try:
+        async for chunk in chunks:
+            for begin, num_tokens, raw in split_chunk(chunk, max_payload_bytes):
+                progress.num_bytes += len(raw)
+                data = engine_pb2.KVChunkData(begin=begin, num_tokens=num_tokens, data=raw)
+                yield engine_pb2.PushKVRequest(chunk=data)
+    except Exception as error:  # noqa: BLE001 - re-raised by push_kv after the call ends
+        # Ending the stream early makes the receiver drop the incomplete reservation.
+        progress.error = error
+
+
+async def push_kv(
+    peers: PeerChannels,
+    addr: KVAddrInfo,
+    chunks: AsyncIterator[KVChunk],
+    *,
+    max_payload_bytes: int,
+    timeout_s: float | None = None,
+) -> tuple[int, int]:
+    """Stream `chunks` into the reservation `addr` names; returns (tokens, bytes) written."""
+    progress = _Progress()
+    stub = peers.stub(addr.address)
+    try:
+        response: engine_pb2.PushKVResponse = await stub.PushKV(
+            _messages(addr, chunks, max_payload_bytes, progress), timeout=timeout_s
+        )
+    except aio.AioRpcError as error:
+        if progress.error is not None:
+            raise progress.error from None
+        error_type = _PEER_ERRORS.get(error.code(), UnavailableError)
+        raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
+    finally:
+        await chunks.aclose()  # type: ignore[attr-defined]
+    if progress.error is not None:
+        raise progress.error
+    return response.num_tokens_written, response.num_bytes_written

@@ -1,0 +1,71 @@
+"""Optionally starts `mlc_llm serve MODEL --model-lib LIB --mode server --enable-debug` when
+the shim is given no --mlc-url and the command is installed (MLC-LLM is not on PyPI)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import socket
+
+import httpx
+
+from engine_shim.engine.api import UnavailableError
+
+STARTUP_TIMEOUT_S = 600.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class MLCProcess:
+    def __init__(self, model: str, model_lib: str | None) -> None:
+        self._model = model
+        self._model_lib = model_lib
+        self._process: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> str:
+        command = shutil.which("mlc_llm")
+        if command is None or self._model_lib is None:
+            raise UnavailableError(
+                "the mlc backend needs --mlc-url, or `mlc_llm` installed and --mlc-model-lib"
+            )
+        port = _free_port()
+        self._process = await asyncio.create_subprocess_exec(
+            command,
+            "serve",
+            self._model,
+            "--model-lib",
+            self._model_lib,
+            "--mode",
+            "server",
+            "--enable-debug",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+        )
+        url = f"http://127.0.0.1:{port}"
+        await self._wait_ready(url)
+        return url
+
+    async def _wait_ready(self, url: str) -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=5.0) as client:
+            deadline = asyncio.get_running_loop().time() + STARTUP_TIMEOUT_S
+            while asyncio.get_running_loop().time() < deadline:
+                if self._process is not None and self._process.returncode is not None:
+                    raise UnavailableError(f"mlc_llm serve exited with {self._process.returncode}")
+                try:
+                    if (await client.get("/v1/models")).status_code == 200:
+                        return
+                except httpx.HTTPError:
+                    pass
+                await asyncio.sleep(1.0)  # start-up of an external process: nothing to await
+        raise UnavailableError("mlc_llm serve did not come up in time")
+
+    async def stop(self) -> None:
+        if self._process is not None and self._process.returncode is None:
+            self._process.terminate()
+            await self._process.wait()

@@ -1,0 +1,31 @@
+"""Settings of `microserving mlc-compat` (env prefix MICROSERVING_MLC_COMPAT_)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class MLCCompatSettings(BaseSettings):
+    """The embedded engine served over MLC-LLM's HTTP microserving wire format."""
+
+    model_config = SettingsConfigDict(env_prefix="MICROSERVING_MLC_COMPAT_", extra="forbid")
+
+    model: str = Field("tiny", description="Model preset name or local Hugging Face directory.")
+    host: str = Field("127.0.0.1", description="Interface the HTTP server binds.")
+    port: int = Field(8000, ge=0, le=65535, description="HTTP port; 0 picks a free one.")
+    device: str = Field("cpu", description="cpu, cuda or cuda:N.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="KV dtype.")
+    page_size: int = Field(16, ge=1, description="Tokens per KV page.")
+    num_pages: int | None = Field(None, ge=1, description="KV pages in the pool.")
+    kv_cache_memory_mb: int = Field(256, ge=1, description="KV pool budget without num_pages.")
+    reservation_ttl_s: float = Field(30.0, gt=0, description="TTL of a prep_recv reservation.")
+    peers: dict[int, str] = Field(
+        default_factory=dict,
+        description="recv_rank -> base URL of the compat server holding that rank (the KV "
+        "destination of remote_send, standing in for MLC's NVSHMEM world).",
+    )
+    kv_chunk_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest KV POST body.")
+    log_level: str = Field("INFO", description="Python logging level.")

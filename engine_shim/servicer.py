@@ -1,0 +1,138 @@
+"""The Engine gRPC servicer: validate -> convert -> call the backend -> convert back. Thin on
+purpose; errors are mapped once by `map_errors`."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+
+from grpc import aio
+
+from engine_shim import validation
+from engine_shim.backend import Backend
+from engine_shim.convert import (
+    generate_output_to_pb,
+    sampling_from_pb,
+    send_result_to_pb,
+    status_to_pb,
+)
+from engine_shim.engine.api import SamplingParams, UnavailableError
+from engine_shim.errors import map_errors
+from engine_shim.requests import RequestTracker
+from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+
+class EngineServicer(engine_pb2_grpc.EngineServicer):
+    def __init__(
+        self, backend: Backend, tracker: RequestTracker, *, role: str, max_prompt_tokens: int
+    ) -> None:
+        self._backend = backend
+        self._tracker = tracker
+        self._role = role
+        self._max_prompt_tokens = max_prompt_tokens
+        self.is_ready = False
+        self.is_draining = False
+
+    def _check_serving(self) -> None:
+        if self.is_draining:
+            raise UnavailableError("engine is draining for shutdown")
+        if not self.is_ready:
+            raise UnavailableError("engine is still loading")
+
+    def _checked(
+        self, request_id: str, token_ids: Sequence[int], sampling_pb: common_pb2.SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """Checks shared by every call that carries a prompt."""
+        self._check_serving()
+        info = self._backend.info
+        validation.check_request_id(request_id)
+        tokens = list(token_ids)
+        validation.check_token_ids(tokens, info.vocab_size, self._max_prompt_tokens)
+        sampling = sampling_from_pb(sampling_pb)
+        validation.check_sampling(sampling, info.vocab_size)
+        validation.check_context(len(tokens), sampling, info.max_context_length)
+        return tokens, sampling
+
+    @map_errors
+    async def PrepRecv(
+        self, request: engine_pb2.PrepRecvRequest, context: aio.ServicerContext
+    ) -> engine_pb2.PrepRecvResponse:
+        tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
+        end = validation.prep_recv_end(request.end, len(tokens))
+        self._tracker.begin_prep_recv(request.request_id)
+        reserved_end: int | None = None
+        try:
+            reservation = await self._backend.prep_recv(request.request_id, tokens, end, sampling)
+            reserved_end = reservation.end
+        finally:
+            self._tracker.end_prep_recv(request.request_id, reserved_end)
+        return engine_pb2.PrepRecvResponse(
+            kv_addr_info=reservation.kv_addr_info,
+            prefix_matched_length=reservation.prefix_matched_length,
+            end=reservation.end,
+        )
+
+    @map_errors
+    async def RemoteSend(
+        self, request: engine_pb2.RemoteSendRequest, context: aio.ServicerContext
+    ) -> engine_pb2.RemoteSendResponse:
+        tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
+        begin, end = validation.remote_send_window(request.begin, request.end, len(tokens))
+        validation.check_kv_addr_info(request.kv_addr_info)
+        self._tracker.begin_remote_send(request.request_id)
+        try:
+            result = await self._backend.remote_send(
+                request.request_id,
+                tokens,
+                begin,
+                end,
+                request.kv_addr_info,
+                request.recv_rank,
+                sampling,
+            )
+        finally:
+            self._tracker.end_remote_send(request.request_id)
+        return send_result_to_pb(result)
+
+    @map_errors
+    async def StartGenerate(
+        self, request: engine_pb2.StartGenerateRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.StartGenerateResponse]:
+        tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
+        begin = validation.start_generate_begin(request.begin, len(tokens))
+        self._tracker.begin_generate(request.request_id, begin)
+        try:
+            outputs = self._backend.generate(request.request_id, tokens, begin, sampling)
+            try:
+                async for output in outputs:
+                    yield generate_output_to_pb(output)
+            finally:
+                # Runs on finish, on error and when the caller cancels or its deadline
+                # passes (grpc cancels this task): closing the stream aborts the request.
+                await outputs.aclose()  # type: ignore[attr-defined]
+        finally:
+            self._tracker.end_generate(request.request_id)
+
+    @map_errors
+    async def Abort(
+        self, request: engine_pb2.AbortRequest, context: aio.ServicerContext
+    ) -> engine_pb2.AbortResponse:
+        validation.check_request_id(request.request_id)
+        self._tracker.forget(request.request_id)
+        was_active = await self._backend.abort(request.request_id)
+        return engine_pb2.AbortResponse(was_active=was_active)
+
+    @map_errors
+    async def GetStatus(
+        self, request: engine_pb2.GetStatusRequest, context: aio.ServicerContext
+    ) -> engine_pb2.GetStatusResponse:
+        if not self.is_ready:
+            raise UnavailableError("engine is still loading")
+        info = self._backend.info
+        status = await self._backend.status()
+        return status_to_pb(
+            status,
+            backend=info.name,
+            device=info.device,
+            role=self._role,
+            is_draining=self.is_draining,
+        )

@@ -1,0 +1,78 @@
+"""The shim's settings: one pydantic-settings object, read from flags and MICROSERVING_SHIM_*
+environment variables at the entry point only. Unknown options are rejected."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from microserving.transport import DEFAULT_MAX_MESSAGE_BYTES, TransportSettings
+
+Role = Literal["prefill", "decode", "both"]
+
+
+class ShimSettings(BaseSettings):
+    """Everything one engine shim process is configured with."""
+
+    model_config = SettingsConfigDict(env_prefix="MICROSERVING_SHIM_", extra="forbid")
+
+    backend: Literal["embedded", "mlc"] = Field(
+        "embedded", description="Engine behind the shim: the in-process torch engine or MLC-LLM."
+    )
+    model: str = Field("tiny", description="Model preset name or local Hugging Face directory.")
+    host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    advertise_address: str | None = Field(
+        None,
+        description="host:port peers use to push KV to this shim (default: host and bound port).",
+    )
+    device: str = Field("cpu", description="Device of the embedded engine: cpu, cuda, cuda:N.")
+    role: Role = Field("both", description="Role advertised to the router.")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="KV and weight dtype of the embedded engine."
+    )
+    page_size: int = Field(16, ge=1, description="Tokens per KV page (embedded).")
+    num_pages: int | None = Field(
+        None, ge=1, description="KV pages in the pool (embedded); default from memory budget."
+    )
+    kv_cache_memory_mb: int = Field(256, ge=1, description="KV pool budget when num_pages unset.")
+    reservation_ttl_s: float = Field(
+        30.0, gt=0, description="PrepRecv reservations not followed up are reclaimed after this."
+    )
+    mlc_url: str | None = Field(
+        None, description="Base URL of a running MLC-LLM server (mlc backend)."
+    )
+    mlc_model_lib: str | None = Field(
+        None, description="Model lib for `mlc_llm serve` when the shim starts MLC itself."
+    )
+    mlc_timeout_s: float = Field(600.0, gt=0, description="Upper bound of one MLC HTTP call.")
+    drain_grace_s: float = Field(
+        30.0, ge=0, description="On SIGTERM/SIGINT, in-flight calls get this long to finish."
+    )
+    kv_push_chunk_bytes: int = Field(
+        4 * 1024 * 1024, ge=1024, description="Largest KV payload of one PushKV message."
+    )
+    max_prompt_tokens: int = Field(
+        1_000_000, ge=1, description="Largest prompt (token ids) one call may carry."
+    )
+    token: str | None = Field(None, description="Shared bearer token required on every call.")
+    tls_cert: str | None = Field(None, description="PEM certificate of this shim (TLS).")
+    tls_key: str | None = Field(None, description="PEM key of this shim (TLS).")
+    tls_ca: str | None = Field(None, description="CA bundle: mutual TLS on the server, peer check.")
+    tls_server_name: str | None = Field(None, description="Override of the peer name checked.")
+    max_message_bytes: int = Field(
+        DEFAULT_MAX_MESSAGE_BYTES, ge=1024, description="Largest gRPC message in either direction."
+    )
+    log_level: str = Field("INFO", description="Python logging level.")
+
+    def transport(self) -> TransportSettings:
+        return TransportSettings(
+            tls_cert=self.tls_cert,
+            tls_key=self.tls_key,
+            tls_ca=self.tls_ca,
+            token=self.token,
+            tls_server_name=self.tls_server_name,
+            max_message_bytes=self.max_message_bytes,
+        )
