@@ -235,7 +235,6 @@ class AsyncEngine:
         while self._run_commands(core, block=not core.has_work):
             if core.has_work:
                 self._step(core)
-            self._status = core.status()
 
     def _run_commands(self, core: LLMEngine, block: bool) -> bool:
         """Run queued commands (waiting for one if idle); False once asked to stop."""
@@ -250,6 +249,7 @@ class AsyncEngine:
             if item is _STOP:
                 return False
             self._execute(core, item)
+            self._status = core.status()
             block = False  # after the first command, drain without waiting
 
     @staticmethod
@@ -268,6 +268,7 @@ class AsyncEngine:
             logger.exception("engine command failed")
             self._resolve(command.future, exc=EngineError(f"internal engine error: {exc}"))
         else:
+            self._status = core.status()  # publish before the caller resumes
             self._resolve(command.future, value=value)
 
     def _step(self, core: LLMEngine) -> None:
@@ -277,6 +278,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the requests in flight")
             self._fail_everything(core, EngineError(f"internal engine error: {exc}"))
             return
+        self._status = core.status()  # publish before consumers see the outputs
         for event in events:
             self._dispatch(event)
 

@@ -25,12 +25,35 @@ class SeqAttnInfo:
 
 
 @dataclass
+class DecodeBatch:
+    """All sequences decode one token: K/V gathered in one padded batch instead of a loop."""
+
+    kv_slots: torch.Tensor  # [B, max_ctx] int64, padded with slot 0
+    key_mask: torch.Tensor  # [B, 1, 1, max_ctx] bool: key position < ctx_len (and in window)
+
+
+@dataclass
 class AttnContext:
     """Everything attention needs for one forward pass, shared by all layers."""
 
     slot_mapping: torch.Tensor  # [T] int64: where each new token's K/V is written
     seqs: list[SeqAttnInfo]
     sliding_window: int | None = None
+    decode: DecodeBatch | None = None  # set when every q_len == 1
+
+
+def build_decode_batch(seqs: list[SeqAttnInfo], sliding_window: int | None) -> DecodeBatch:
+    max_ctx = max(s.ctx_len for s in seqs)
+    device = seqs[0].kv_slots.device
+    slots = torch.zeros(len(seqs), max_ctx, dtype=torch.int64, device=device)
+    ctx_lens = torch.tensor([s.ctx_len for s in seqs], device=device)
+    for i, seq in enumerate(seqs):
+        slots[i, : seq.ctx_len] = seq.kv_slots
+    k_pos = torch.arange(max_ctx, device=device)[None, :]
+    mask = k_pos < ctx_lens[:, None]  # [B, max_ctx]
+    if sliding_window is not None:
+        mask &= k_pos >= ctx_lens[:, None] - sliding_window
+    return DecodeBatch(kv_slots=slots, key_mask=mask[:, None, None, :])
 
 
 def write_kv(
@@ -47,9 +70,11 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, Hq, D] -> out: [T, Hq, D]; K/V of the new tokens are already in the cache."""
-    out = torch.empty_like(q)
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    if ctx.decode is not None:
+        return _decode_attention(q, k_cache, v_cache, ctx.decode, group, scale)
+    out = torch.empty_like(q)
     for seq in ctx.seqs:
         q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)  # [Hq, q_len, D]
         k = k_cache.index_select(0, seq.kv_slots).transpose(0, 1)  # [Hkv, ctx, D]
@@ -63,6 +88,20 @@ def paged_attention(
         )
         out[seq.q_start : seq.q_start + seq.q_len] = o.transpose(0, 1)
     return out
+
+
+def _decode_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: DecodeBatch,
+    group: int, scale: float,
+) -> torch.Tensor:
+    # q: [B, Hq, D] -> [B, Hq, 1, D]; k, v: [B, max_ctx, Hkv, D] -> [B, Hq, max_ctx, D]
+    k = k_cache[batch.kv_slots].transpose(1, 2).to(q.dtype)
+    v = v_cache[batch.kv_slots].transpose(1, 2).to(q.dtype)
+    if group > 1:
+        k = k.repeat_interleave(group, dim=1)
+        v = v.repeat_interleave(group, dim=1)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=batch.key_mask, scale=scale)
+    return out[:, :, 0, :]
 
 
 def _causal_mask(

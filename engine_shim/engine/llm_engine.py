@@ -43,7 +43,7 @@ from .model_runner import ModelRunner
 from .request import Choice, GenerateRequest, add_token, finish_choice, take_delta
 from .sampler import sample
 from .scheduler import ScheduledSeq, Scheduler
-from .sequence import Sequence, SeqKind, SeqStatus
+from .sequence import SeqKind, SeqStatus, Sequence
 from .weights import DTYPES, build_model, model_fingerprint
 
 logger = logging.getLogger(__name__)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttnContext, SeqAttnInfo
+from .attention import AttnContext, SeqAttnInfo, build_decode_batch
 from .config import ModelConfig
 from .kv_cache import KVCache
 from .model import CausalLM
@@ -53,6 +53,8 @@ class ModelRunner:
             seqs=seq_infos,
             sliding_window=self.config.sliding_window,
         )
+        if len(seq_infos) > 1 and all(s.q_len == 1 for s in seq_infos):
+            ctx.decode = build_decode_batch(seq_infos, self.config.sliding_window)
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             torch.tensor(positions, dtype=torch.int64, device=self.device),

@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, num_pages_for
-from .sequence import Sequence, SeqKind, SeqStatus
+from .sequence import SeqKind, SeqStatus, Sequence
 
 
 @dataclass
