@@ -1,0 +1,219 @@
+"""`microserving up`: a whole local stack from one command.
+
+Starts each engine shim as its own process (`python -m microserving.cli shim ... --role R`), then
+the router over them, then the gateway; waits for each to be healthy (showing progress while
+models load); prints the base URL; and on Ctrl-C / SIGTERM, or when any child dies, stops
+everything in reverse order (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gateway.launcher import ManagedProcess
+from gateway.probe import is_grpc_serving, is_http_healthy
+
+INTERNAL_HOST = "127.0.0.1"
+_PROGRESS_EVERY_S = 5.0
+
+
+@dataclass(frozen=True)
+class StackPlan:
+    model: str
+    pattern: str
+    roles: tuple[str, ...]  # one entry per shim
+    pd_balance_factor: float | None
+    device: str
+    host: str
+    port: int
+    router_port: int
+    gateway_args: tuple[str, ...]
+    startup_timeout_s: float
+    grace_s: float
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="microserving up", description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="tiny", help="tiny (default) or a local HF directory")
+    parser.add_argument("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"],
+                        help="orchestration pattern (default disagg; round-robin with --engines)")
+    parser.add_argument("--engines", type=int, help="N engines that each do prefill and decode")
+    parser.add_argument("--prefill", type=int, help="prefill engines (default 1)")
+    parser.add_argument("--decode", type=int, help="decode engines (default 1)")
+    parser.add_argument("--pd-balance-factor", type=float, help="disagg: fraction D prefills")
+    parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
+    parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
+    parser.add_argument("--port", type=int, default=8000, help="gateway port; 0 picks one")
+    parser.add_argument("--router-port", type=int, default=50051, help="router port; 0 picks one")
+    parser.add_argument("--api-key", action="append", default=[], help="gateway API key")
+    parser.add_argument("--max-inflight", type=int, help="gateway admission limit")
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
+    return parser
+
+
+def plan_from_args(argv: list[str]) -> StackPlan:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.engines is not None and (args.prefill is not None or args.decode is not None):
+        parser.error("give either --engines or --prefill/--decode")
+    if args.engines is not None:
+        if args.engines < 1:
+            parser.error("--engines must be at least 1")
+        if args.pattern not in (None, "round-robin"):
+            parser.error(f"--pattern {args.pattern} needs --prefill/--decode engines")
+        roles = ("both",) * args.engines
+        pattern = "round-robin"
+    else:
+        num_prefill = 1 if args.prefill is None else args.prefill
+        num_decode = 1 if args.decode is None else args.decode
+        if num_decode < 1 or num_prefill < 0:
+            parser.error("need at least one decode engine")
+        pattern = args.pattern or "disagg"
+        if pattern != "round-robin" and num_prefill < 1:
+            parser.error(f"--pattern {pattern} needs at least one prefill engine")
+        roles = ("prefill",) * num_prefill + ("decode",) * num_decode
+    gateway_args: list[str] = []
+    for key in args.api_key:
+        gateway_args += ["--api-key", key]
+    if args.max_inflight is not None:
+        gateway_args += ["--max-inflight", str(args.max_inflight)]
+    return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
+                     args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
+                     args.grace_s)
+
+
+def _command(subcommand: str, *args: str) -> list[str]:
+    return [sys.executable, "-m", "microserving.cli", subcommand, *args]
+
+
+def shim_command(plan: StackPlan, role: str) -> list[str]:
+    return _command("shim", "--backend", "embedded", "--model", plan.model, "--role", role,
+                    "--device", plan.device, "--host", INTERNAL_HOST, "--port", "0")
+
+
+def router_command(plan: StackPlan, engines: list[tuple[str, str]]) -> list[str]:
+    args = ["--pattern", plan.pattern, "--model", plan.model, "--host", INTERNAL_HOST,
+            "--port", str(plan.router_port)]
+    for address, role in engines:
+        args += ["--engine", f"{address}={role}"]
+    if plan.pd_balance_factor is not None:
+        args += ["--pd-balance-factor", str(plan.pd_balance_factor)]
+    return _command("router", *args)
+
+
+def gateway_command(plan: StackPlan, router_address: str) -> list[str]:
+    return _command("gateway", "--router", router_address, "--host", plan.host,
+                    "--port", str(plan.port), *plan.gateway_args)
+
+
+class StartupFailed(Exception):
+    pass
+
+
+class Stack:
+    """The running children, in start order; `stop` ends them in reverse order."""
+
+    def __init__(self, plan: StackPlan) -> None:
+        self.plan = plan
+        self.children: list[ManagedProcess] = []
+        self.stopping = threading.Event()
+        self.exited: ManagedProcess | None = None
+
+    def _on_exit(self, child: ManagedProcess) -> None:
+        if not self.stopping.is_set():
+            self.exited = child
+            self.stopping.set()
+
+    def spawn(self, name: str, argv: list[str]) -> ManagedProcess:
+        child = ManagedProcess(name, argv, self._on_exit)
+        self.children.append(child)
+        _say(f"started {name} (pid {child.pid}): {' '.join(argv[1:])}")
+        return child
+
+    def wait_ready(self, child: ManagedProcess, is_ready: Callable[[str], bool],
+                   deadline_s: float) -> str:
+        """Waits for the child's address, then for its health check; returns the address."""
+        started_s = time.monotonic()
+        next_progress_s = started_s + _PROGRESS_EVERY_S
+        while True:
+            if self.stopping.is_set():
+                raise StartupFailed(self._why_stopped())
+            if child.address is not None and is_ready(child.address):
+                _say(f"{child.name} ready on {child.address} "
+                     f"({time.monotonic() - started_s:.1f} s)")
+                return child.address
+            now = time.monotonic()
+            if now > deadline_s:
+                raise StartupFailed(f"{child.name} not ready after {now - started_s:.0f} s")
+            if now >= next_progress_s:
+                stage = "loading" if child.address is None else "waiting for health"
+                _say(f"{child.name}: {stage} ... {now - started_s:.0f} s")
+                next_progress_s = now + _PROGRESS_EVERY_S
+            self.stopping.wait(0.2 if child.address is None else 0.25)
+
+    def _why_stopped(self) -> str:
+        if self.exited is not None:
+            return f"{self.exited.name} exited with code {self.exited.returncode}"
+        return "interrupted"
+
+    def start(self) -> str:
+        plan = self.plan
+        deadline_s = time.monotonic() + plan.startup_timeout_s
+        shims = [self.spawn(f"{role}-{i}", shim_command(plan, role))
+                 for i, role in enumerate(plan.roles)]
+        engines = [(self.wait_ready(s, is_grpc_serving, deadline_s), r)
+                   for s, r in zip(shims, plan.roles, strict=True)]
+        router = self.spawn("router", router_command(plan, engines))
+        router_address = self.wait_ready(router, is_grpc_serving, deadline_s)
+        gateway = self.spawn("gateway", gateway_command(plan, router_address))
+        address = self.wait_ready(gateway, lambda a: is_http_healthy(f"http://{a}/health"),
+                                  deadline_s)
+        return f"http://{address}/v1"
+
+    def stop(self) -> None:
+        self.stopping.set()
+        for child in reversed(self.children):
+            child.stop(self.plan.grace_s)
+
+
+def _say(message: str) -> None:
+    sys.stderr.write(f"microserving up: {message}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    plan = plan_from_args(sys.argv[1:] if argv is None else argv)
+    stack = Stack(plan)
+    interrupted = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        interrupted.set()
+        stack.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        url = stack.start()
+        print(f"microserving up: ready at {url}", flush=True)
+        _say(f"pattern {plan.pattern}, engines {', '.join(plan.roles)}; Ctrl-C stops everything")
+        stack.stopping.wait()
+        if not interrupted.is_set():
+            _say(f"stopping: {stack._why_stopped()}")
+            return 1
+        return 0
+    except StartupFailed as error:
+        if interrupted.is_set():
+            return 0
+        _say(f"startup failed: {error}")
+        return 1
+    finally:
+        _say("stopping all services")
+        stack.stop()
+        _say("stopped")
