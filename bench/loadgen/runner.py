@@ -116,14 +116,14 @@ async def _run(
                 bar.update(1)
 
     if shape.is_closed_loop:
-        await _closed_loop(one, len(specs), shape.concurrency or 1)
+        await closed_loop(one, len(specs), shape.concurrency or 1)
     else:
         await _open_loop(one, len(specs), shape)
     duration_s = max((r.end_s for r in records), default=0.0)
     return RunOutcome(records, duration_s, in_flight.peak)
 
 
-async def _closed_loop(one: OneRequest, num_requests: int, concurrency: int) -> None:
+async def closed_loop(one: OneRequest, num_requests: int, concurrency: int) -> None:
     queue: asyncio.Queue[int] = asyncio.Queue()
     for i in range(num_requests):
         queue.put_nowait(i)

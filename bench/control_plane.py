@@ -1,0 +1,170 @@
+"""Control-plane benchmark: the same engines measured at three depths in one run, for each
+pattern and concurrency, beside the floors of this machine.
+
+    python -m bench.control_plane --out docs/results/control_plane
+    microserving bench control-plane --concurrency 1 64 256 --out DIR
+
+Depths: `direct` (the bench client makes the pattern's engine calls itself over gRPC:
+StartGenerate, or PrepRecv -> RemoteSend -> StartGenerate), `router` (Router.Generate) and
+`gateway` (HTTP SSE /v1/completions). Floors: a raw grpc.aio echo round trip and a bare FastAPI
+SSE endpoint. Every service is a real process started from its entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.control_plane_report import report
+from bench.control_plane_run import (
+    CellShape,
+    grpc_cell,
+    http_cell,
+    wait_grpc_serving,
+    wait_http_ready,
+)
+from bench.loadgen.results import machine_info
+from bench.loadgen.stats import describe
+from bench.procs import ServiceGroup, service_group
+from bench.stream_clients import DirectFlow, run_direct, run_router
+from microserving.transport import TransportSettings, create_channel
+from microserving.v1 import engine_pb2_grpc, router_pb2_grpc
+
+PATTERNS = ("round-robin", "disagg", "adaptive-disagg")
+
+
+@dataclass(frozen=True)
+class ControlPlaneConfig:
+    model: str = "tiny"
+    patterns: tuple[str, ...] = PATTERNS
+    concurrencies: tuple[int, ...] = (1, 64, 256)
+    cell: CellShape = field(default_factory=CellShape)
+    echo_calls: int = 2000
+    shim_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 300.0
+
+
+def _shim_args(config: ControlPlaneConfig) -> list[str]:
+    return ["shim", "--model", config.model, "--role", "both", "--host", "127.0.0.1", "--port",
+            "0", *config.shim_args]
+
+
+async def measure_floors(group: ServiceGroup, config: ControlPlaneConfig) -> dict[str, Any]:
+    from bench.floors import echo_round_trips_s
+
+    echo = group.start("echo-floor", ["echo"], module="bench.floors")
+    sse = group.start("sse-floor", ["sse"], module="bench.floors")
+    floors: dict[str, Any] = {"echo_rtt_s": {}, "sse": {}}
+    for c in config.concurrencies:
+        times = await echo_round_trips_s(echo.address, c, max(4, config.echo_calls // c))
+        floors["echo_rtt_s"][str(c)] = describe(times)
+        floors["sse"][str(c)] = await http_cell(f"http://{sse.address}/v1", "floor", c,
+                                                config.cell, salt=c)
+    group.stop(echo)
+    group.stop(sse)
+    return floors
+
+
+def _router_args(pattern: str, engines: list[str], model: str) -> list[str]:
+    roles = ("both", "both") if pattern == "round-robin" else ("prefill", "decode")
+    flags = [f"--engine={address}={role}" for address, role in zip(engines, roles, strict=True)]
+    return ["router", *flags, "--pattern", pattern, "--model", model, "--host", "127.0.0.1",
+            "--port", "0", "--log-level", "WARNING"]
+
+
+async def measure_pattern(group: ServiceGroup, config: ControlPlaneConfig, pattern: str,
+                          engines: list[str]) -> list[dict[str, Any]]:
+    router = group.start(f"router-{pattern}", _router_args(pattern, engines, config.model))
+    await wait_grpc_serving(router.address, config.startup_timeout_s)
+    gateway = group.start(f"gateway-{pattern}", ["gateway", "--router", router.address,
+                                                 "--host", "127.0.0.1", "--port", "0",
+                                                 "--log-level", "warning"])
+    await wait_http_ready(f"http://{gateway.address}/health", config.startup_timeout_s)
+    settings = TransportSettings()
+    cells: list[dict[str, Any]] = []
+    channels = [create_channel(address, settings) for address in [*engines, router.address]]
+    try:
+        stubs = [engine_pb2_grpc.EngineStub(ch) for ch in channels[:2]]
+        router_stub = router_pb2_grpc.RouterStub(channels[2])
+        flow = (DirectFlow(engines=stubs) if pattern == "round-robin"
+                else DirectFlow(engines=[stubs[1]], prefill=stubs[0]))
+
+        async def direct(ids: list[int], n: int, i: int, record: Any, origin: float) -> None:
+            await run_direct(flow, ids, n, i, record, origin)
+
+        async def via_router(ids: list[int], n: int, i: int, record: Any, origin: float) -> None:
+            await run_router(router_stub, ids, n, record, origin)
+
+        for c in config.concurrencies:
+            salt = zlib.crc32(f"{pattern}/{c}".encode()) & 0xFFFF
+            for depth, run in (("direct", direct), ("router", via_router)):
+                summary = await grpc_cell(run, c, config.cell, salt)
+                cells.append(_cell(pattern, depth, c, summary, flow.num_engine_calls))
+            summary = await http_cell(f"http://{gateway.address}/v1", "", c, config.cell, salt)
+            cells.append(_cell(pattern, "gateway", c, summary, flow.num_engine_calls))
+            print(f"  {pattern} @ {c}: done", flush=True)
+    finally:
+        for channel in channels:
+            await channel.close(None)
+        group.stop(gateway)
+        group.stop(router)
+    return cells
+
+
+def _cell(pattern: str, depth: str, c: int, summary: dict[str, Any], calls: int) -> dict[str, Any]:
+    return {"pattern": pattern, "depth": depth, "concurrency": c, "num_engine_calls": calls,
+            "summary": summary}
+
+
+async def run_control_plane(config: ControlPlaneConfig, log_dir: Path) -> dict[str, Any]:
+    with service_group(log_dir) as group:
+        floors = await measure_floors(group, config)
+        shims = [group.start(f"shim-{i}", _shim_args(config), timeout_s=config.startup_timeout_s)
+                 for i in range(2)]
+        engines = [s.address for s in shims]
+        await asyncio.gather(*(wait_grpc_serving(a, config.startup_timeout_s) for a in engines))
+        cells: list[dict[str, Any]] = []
+        for pattern in config.patterns:
+            cells += await measure_pattern(group, config, pattern, engines)
+    return {"config": asdict(config), "floors": floors, "cells": cells}
+
+
+def parse_args(argv: list[str]) -> tuple[ControlPlaneConfig, Path]:
+    p = argparse.ArgumentParser(prog="microserving bench control-plane", allow_abbrev=False,
+                                description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny", help="engine model preset or directory")
+    p.add_argument("--patterns", nargs="+", default=list(PATTERNS), choices=PATTERNS)
+    p.add_argument("--concurrency", nargs="+", type=int, default=[1, 64, 256])
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
+    p.add_argument("--requests-per-stream", type=int, default=2)
+    p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--shim-arg", action="append", default=[], help="extra flag for each shim")
+    p.add_argument("--out", type=Path, required=True, help="directory for JSON, table and plot")
+    args = p.parse_args(argv)
+    cell = CellShape(args.prompt_len, args.output_len, args.requests_per_stream, args.min_requests)
+    config = ControlPlaneConfig(model=args.model, patterns=tuple(args.patterns),
+                                concurrencies=tuple(args.concurrency), cell=cell,
+                                shim_args=tuple(args.shim_arg))
+    return config, args.out
+
+
+def main(argv: list[str] | None = None) -> int:
+    config, out = parse_args(sys.argv[1:] if argv is None else argv)
+    out.mkdir(parents=True, exist_ok=True)
+    result = asyncio.run(run_control_plane(config, out / "logs"))
+    result["machine"] = machine_info(["microserving", "bench", "control-plane", *(argv or [])])
+    (out / "control_plane.json").write_text(json.dumps(result, indent=1) + "\n")
+    table = report(result, out)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
