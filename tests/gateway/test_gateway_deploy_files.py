@@ -1,0 +1,94 @@
+"""The container and cluster files are valid for their tools: the compose files against the
+compose-spec schema, the rendered Kubernetes overlays against the Kubernetes schemas, and both
+wired the same way (env config, gRPC health probes, only the gateway exposed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from deploy_render import interpolate, render_kustomization
+
+ROOT = Path(__file__).resolve().parents[2]
+KUBERNETES = ROOT / "deploy" / "kubernetes"
+COMPOSE_FILES = ["docker-compose.yml", "docker-compose.gpu.yml", "docker-compose.mlc.yml"]
+KUBERNETES_VERSION = "1.30"
+
+
+@pytest.mark.parametrize("name", COMPOSE_FILES)
+def test_compose_file_matches_the_compose_spec(name: str) -> None:
+    checker = Path(sys.executable).with_name("check-jsonschema")
+    result = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec",
+                             str(ROOT / name)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def compose_services() -> dict[str, Any]:
+    services: dict[str, Any] = interpolate(
+        yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {})["services"]
+    return services
+
+
+def test_compose_publishes_only_the_gateway_and_starts_in_health_order() -> None:
+    services = compose_services()
+    assert set(services) == {"prefill", "decode", "router", "gateway"}
+    assert [name for name, s in services.items() if s.get("ports")] == ["gateway"]
+    assert services["router"]["depends_on"] == {
+        "prefill": {"condition": "service_healthy"}, "decode": {"condition": "service_healthy"}}
+    assert services["gateway"]["depends_on"] == {"router": {"condition": "service_healthy"}}
+    for name in ("prefill", "decode", "router"):
+        assert services[name]["healthcheck"]["test"][3:6] == ["gateway.probe", "grpc",
+                                                             "127.0.0.1:50051"]
+    assert services["prefill"]["environment"]["MICROSERVING_SHIM_ROLE"] == "prefill"
+
+
+def test_gpu_override_reserves_an_nvidia_gpu_per_shim() -> None:
+    override = yaml.safe_load((ROOT / "docker-compose.gpu.yml").read_text())["services"]
+    for name in ("prefill", "decode"):
+        devices = override[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+        assert override[name]["environment"]["MICROSERVING_SHIM_DEVICE"] == "cuda"
+
+
+@pytest.mark.parametrize("overlay", ["cpu", "gpu"])
+def test_kubernetes_overlay_renders_to_valid_manifests(overlay: str) -> None:
+    documents = render_kustomization(KUBERNETES / "overlays" / overlay)
+    for document in documents:
+        kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in documents)
+    assert ("Deployment", "microserving-prefill") in kinds
+    assert ("Service", "microserving-gateway") in kinds
+
+
+def by_name(documents: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(d for d in documents if d["kind"] == kind and d["metadata"]["name"] == name)
+
+
+def test_kubernetes_engines_are_discovered_through_headless_services() -> None:
+    documents = render_kustomization(KUBERNETES / "overlays" / "cpu")
+    config = by_name(documents, "ConfigMap", "microserving-config")["data"]
+    dns = yaml.safe_load(config["MICROSERVING_ROUTER_ENGINE_DNS"])
+    assert dns == ["microserving-prefill:50051=prefill", "microserving-decode:50051=decode"]
+    for role in ("prefill", "decode"):
+        service = by_name(documents, "Service", f"microserving-{role}")
+        assert service["spec"]["clusterIP"] == "None"
+        container = by_name(documents, "Deployment", f"microserving-{role}")[
+            "spec"]["template"]["spec"]["containers"][0]
+        assert container["readinessProbe"]["grpc"]["port"] == 50051
+        assert container["livenessProbe"]["grpc"]["port"] == 50051
+        assert "requests" in container["resources"]
+
+
+def test_gpu_overlay_requests_gpus_and_the_cuda_image() -> None:
+    documents = render_kustomization(KUBERNETES / "overlays" / "gpu")
+    container = by_name(documents, "Deployment", "microserving-decode")[
+        "spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert container["image"] == "microserving-grpc:cuda"
+    assert by_name(documents, "ConfigMap", "microserving-config")["data"][
+        "MICROSERVING_SHIM_DEVICE"] == "cuda"
