@@ -21,6 +21,8 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from fastapi import FastAPI, Request
+from fastapi.responses import StreamingResponse
 from grpc import aio
 
 from microserving.transport import TransportSettings, add_port, create_channel, create_server
@@ -71,10 +73,7 @@ async def echo_round_trips_s(
     return times
 
 
-def sse_app() -> Any:
-    from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
-
+def sse_app() -> FastAPI:
     app = FastAPI()
 
     @app.get("/v1/models")
