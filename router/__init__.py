@@ -1,0 +1,8 @@
+"""The programmable MicroServing router (gRPC). `from router import Router, serve` gives
+MLC-LLM's router API; `router.openai_protocol` and `router.microserving_protocol` hold its
+request/response models."""
+
+from router.router import Router
+from router.serve import serve
+
+__all__ = ["Router", "serve"]
