@@ -1,0 +1,77 @@
+"""Faults: a decode shim killed before its first token makes the router retry elsewhere and
+the request succeed; a stalled engine leaves rotation at its stage deadline; errors of one
+request never break the others. These tests start (and kill) shims of their own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from router_stack import (
+    Shim,
+    engine_alone,
+    generate,
+    greedy,
+    kill_all,
+    router_settings,
+    running_router,
+    start_shims,
+    wait_for,
+)
+
+from microserving.tokenizer import Tokenizer
+from microserving.v1 import router_pb2
+from router.router import Router
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def own_shims() -> Iterator[list[Shim]]:
+    started = start_shims(["prefill", "decode", "decode"])
+    yield started
+    kill_all(started)
+
+
+async def test_killed_decode_shim_before_first_token_is_retried_elsewhere(own_shims) -> None:
+    prefill, doomed, healthy = own_shims
+    engines = [f"{prefill.address}=prefill", f"{doomed.address}=decode", f"{healthy.address}=decode"]
+    # A long health interval: only the failed call (not a health probe) can take it out.
+    router = Router(settings=router_settings(engines, pattern="disagg", health_interval_s=120))
+    prompts = ["first request through the doomed engine", "second request elsewhere"]
+    async with running_router(router) as (_, stub):
+        doomed.stop()  # frozen: the router's PrepRecv waits on it
+        task = asyncio.ensure_future(generate(stub, *(
+            router_pb2.NewRequest(request_id=str(i), text=p, sampling=greedy()) for i, p in enumerate(prompts)
+        )))
+        endpoint = router.registry.get(doomed.address)
+        assert endpoint is not None
+
+        async def waiting_on_doomed() -> bool:
+            return endpoint.num_inflight > 0
+
+        assert await wait_for(waiting_on_doomed)
+        doomed.kill()
+        results = await task
+        status = await stub.GetStatus(router_pb2.RouterGetStatusRequest())
+    tokenizer = Tokenizer.from_model("tiny")
+    for i, prompt in enumerate(prompts):
+        want = await engine_alone(healthy.address, tokenizer.encode(prompt), greedy(), f"fault-alone-{i}")
+        assert results[str(i)].error is None, results[str(i)].error
+        assert results[str(i)].token_ids == want
+        assert doomed.address not in results[str(i)].done.engines
+    health = {e.address: e.health for e in status.engines}
+    assert health[doomed.address] == router_pb2.ENGINE_HEALTH_UNREACHABLE
+    assert health[healthy.address] == router_pb2.ENGINE_HEALTH_SERVING
+
+
+async def test_request_fails_cleanly_when_no_engine_is_left(own_shims) -> None:
+    dead = own_shims[1]  # killed by the test above, or dead anyway
+    dead.kill()
+    router = Router(settings=router_settings([f"{dead.address}=both"], pattern="round-robin", health_interval_s=120))
+    async with running_router(router) as (_, stub):
+        results = await generate(stub, router_pb2.NewRequest(request_id="n", text="anyone?", sampling=greedy()))
+    error = results["n"].error
+    assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE.value[0]
