@@ -21,19 +21,29 @@ pytestmark = pytest.mark.e2e
 LONG = greedy(max_tokens=1500)  # far longer than any test waits
 
 
-async def _start_pd_stream(prefill_address: str, decode_address: str, request_id: str, tokens: list[int]):
+async def _start_pd_stream(
+    prefill_address: str, decode_address: str, request_id: str, tokens: list[int]
+):
     """PrepRecv on D, RemoteSend from P; returns D's stub, its channel and the generate request."""
     p_channel, p_stub = engine_stub(prefill_address)
     d_channel, d_stub = engine_stub(decode_address)
-    prep = await d_stub.PrepRecv(engine_pb2.PrepRecvRequest(request_id=request_id, token_ids=tokens, end=-1, sampling=LONG))
+    prep = await d_stub.PrepRecv(
+        engine_pb2.PrepRecvRequest(request_id=request_id, token_ids=tokens, end=-1, sampling=LONG)
+    )
     await p_stub.RemoteSend(
         engine_pb2.RemoteSendRequest(
-            request_id=request_id, token_ids=tokens, begin=0, end=prep.end,
-            kv_addr_info=prep.kv_addr_info, sampling=LONG,
+            request_id=request_id,
+            token_ids=tokens,
+            begin=0,
+            end=prep.end,
+            kv_addr_info=prep.kv_addr_info,
+            sampling=LONG,
         )
     )
     await p_channel.close()
-    request = engine_pb2.StartGenerateRequest(request_id=request_id, token_ids=tokens, begin=prep.end, sampling=LONG)
+    request = engine_pb2.StartGenerateRequest(
+        request_id=request_id, token_ids=tokens, begin=prep.end, sampling=LONG
+    )
     return d_channel, d_stub, request
 
 
@@ -95,7 +105,8 @@ async def test_killing_the_client_process_frees_pages(prefill_shim, decode_shim)
     baselines = await _baselines(*addresses)
     client = subprocess.Popen(
         [sys.executable, "-c", CLIENT, decode_shim.address],
-        env=subprocess_env(), stdout=subprocess.PIPE,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
     )
     try:
         assert client.stdout is not None
@@ -125,7 +136,11 @@ async def test_a_prep_recv_aborted_by_id_frees_its_reservation(decode_shim):
     channel, stub = engine_stub(decode_shim.address)
     async with channel:
         baseline = await free_pages(stub)
-        await stub.PrepRecv(engine_pb2.PrepRecvRequest(request_id="abort-me", token_ids=[t + 9 for t in PROMPT], end=-1))
+        await stub.PrepRecv(
+            engine_pb2.PrepRecvRequest(
+                request_id="abort-me", token_ids=[t + 9 for t in PROMPT], end=-1
+            )
+        )
         assert await free_pages(stub) < baseline
         aborted = await stub.Abort(engine_pb2.AbortRequest(request_id="abort-me"))
         again = await stub.Abort(engine_pb2.AbortRequest(request_id="abort-me"))

@@ -12,12 +12,16 @@ from microserving.v1 import engine_pb2
 pytestmark = pytest.mark.e2e
 
 
-async def _pd(prefill_address: str, decode_address: str, request_id: str, tokens: list[int], end: int) -> tuple[list[int], engine_pb2.PrepRecvResponse, engine_pb2.RemoteSendResponse | None]:
+async def _pd(
+    prefill_address: str, decode_address: str, request_id: str, tokens: list[int], end: int
+) -> tuple[list[int], engine_pb2.PrepRecvResponse, engine_pb2.RemoteSendResponse | None]:
     p_channel, p_stub = engine_stub(prefill_address)
     d_channel, d_stub = engine_stub(decode_address)
     async with p_channel, d_channel:
         prep = await d_stub.PrepRecv(
-            engine_pb2.PrepRecvRequest(request_id=request_id, token_ids=tokens, end=end, sampling=greedy())
+            engine_pb2.PrepRecvRequest(
+                request_id=request_id, token_ids=tokens, end=end, sampling=greedy()
+            )
         )
         sent = None
         if prep.prefix_matched_length < prep.end:  # MLC's rule: skip remote_send on a full hit
@@ -62,9 +66,13 @@ async def test_balanced_pd_at_factor_half_matches_single_shim(prefill_shim, deco
 async def test_prefix_hit_on_decode_skips_remote_send_and_matches(prefill_shim, decode_shim):
     tokens = [t + 150 for t in PROMPT]
     expected = await _alone(prefill_shim.address, "alone-prefix", tokens)
-    first, _, first_sent = await _pd(prefill_shim.address, decode_shim.address, "pd-prefix-1", tokens, -1)
+    first, _, first_sent = await _pd(
+        prefill_shim.address, decode_shim.address, "pd-prefix-1", tokens, -1
+    )
     end = len(tokens) - 2  # 48 = 3 whole pages, all cached on D by the first request
-    second, prep, sent = await _pd(prefill_shim.address, decode_shim.address, "pd-prefix-2", tokens, end)
+    second, prep, sent = await _pd(
+        prefill_shim.address, decode_shim.address, "pd-prefix-2", tokens, end
+    )
     assert first_sent is not None and first == expected
     assert prep.prefix_matched_length >= prep.end and sent is None
     assert second == expected
