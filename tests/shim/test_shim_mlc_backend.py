@@ -1,0 +1,264 @@
+"""The MLC backend, end to end against real engines: two MLC-wire-compatible servers (the
+embedded engine behind MLC's exact HTTP routes, peered by recv_rank) behind two `--backend mlc`
+shims carry a PD request over gRPC and return the tokens the embedded shim returns directly.
+An ASGI hook records the JSON each shim sent, which is checked field by field against MLC's
+wire format; the same two servers also carry MLC's PD flow driven over plain HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+import uvicorn
+from conftest import PROMPT, engine_stub, greedy
+
+from engine_shim.mlc_compat.app import create_app
+from engine_shim.mlc_compat.cli import bind
+from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.server import ShimServer
+from engine_shim.settings import ShimSettings
+from microserving.v1 import engine_pb2
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+
+class Recorder:
+    """ASGI hook: keeps (path, request JSON, response bytes) of every HTTP call."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.calls: list[tuple[str, Any, bytes]] = []
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        body: list[bytes] = []
+        reply: list[bytes] = []
+
+        async def recording_receive() -> dict[str, Any]:
+            message = await receive()
+            if message["type"] == "http.request":
+                body.append(message.get("body", b""))
+            return message
+
+        async def recording_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body":
+                reply.append(message.get("body", b""))
+            await send(message)
+
+        await self.app(scope, recording_receive, recording_send)
+        raw = b"".join(body)
+        is_json = scope["path"].startswith(
+            ("/microserving/prep", "/microserving/remote", "/microserving/start", "/v1/")
+        )
+        self.calls.append(
+            (scope["path"], json.loads(raw) if raw and is_json else raw, b"".join(reply))
+        )
+
+    def bodies(self, path: str) -> list[tuple[Any, bytes]]:
+        return [(request, reply) for p, request, reply in self.calls if p == path]
+
+
+class CompatServer:
+    def __init__(self, settings: MLCCompatSettings) -> None:
+        self.recorder = Recorder(create_app(settings))
+        self.socket = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.socket.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.recorder, log_level="warning"))
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.create_task(self.server.serve(sockets=[self.socket]))
+        while not self.server.started:
+            await asyncio.sleep(0.02)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def mlc_pair() -> AsyncIterator[dict[str, Any]]:
+    receiver = CompatServer(MLCCompatSettings(port=0))
+    await receiver.start()
+    sender = CompatServer(MLCCompatSettings(port=0, peers={0: receiver.url}))
+    await sender.start()
+    decode = ShimServer(ShimSettings(backend="mlc", mlc_url=receiver.url, port=0, role="decode"))
+    prefill = ShimServer(ShimSettings(backend="mlc", mlc_url=sender.url, port=0, role="prefill"))
+    await decode.start()
+    await prefill.start()
+    yield {"receiver": receiver, "sender": sender, "decode": decode, "prefill": prefill}
+    for shim in (prefill, decode):
+        await shim.stop(grace_s=1.0)
+    for server in (sender, receiver):
+        await server.stop()
+
+
+async def _stream(
+    stub: Any, request_id: str, tokens: list[int], begin: int
+) -> tuple[list[int], str, int]:
+    request = engine_pb2.StartGenerateRequest(
+        request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy()
+    )
+    ids, text, finish = [], "", 0
+    async for response in stub.StartGenerate(request):
+        for choice in response.choices:
+            ids.extend(choice.token_ids)
+            text += choice.text
+            finish = choice.finish_reason or finish
+    return ids, text, finish
+
+
+async def test_mlc_backend_pd_returns_the_embedded_shims_tokens(mlc_pair, prefill_shim):
+    tokens = [t + 30 for t in PROMPT]
+    embedded_channel, embedded = engine_stub(prefill_shim.address)
+    d_channel, d_stub = engine_stub(mlc_pair["decode"].address)
+    p_channel, p_stub = engine_stub(mlc_pair["prefill"].address)
+    async with embedded_channel, d_channel, p_channel:
+        expected = await _stream(embedded, "embedded-direct", tokens, 0)
+        prep = await d_stub.PrepRecv(
+            engine_pb2.PrepRecvRequest(
+                request_id="mlc-pd", token_ids=tokens, end=-1, sampling=greedy()
+            )
+        )
+        sent = await p_stub.RemoteSend(
+            engine_pb2.RemoteSendRequest(
+                request_id="mlc-pd",
+                token_ids=tokens,
+                begin=prep.prefix_matched_length,
+                end=-1,
+                kv_addr_info=prep.kv_addr_info,
+                recv_rank=0,
+                sampling=greedy(),
+            )
+        )
+        pd = await _stream(d_stub, "mlc-pd", tokens, -1)
+        alone = await _stream(p_stub, "mlc-alone", tokens, 0)
+    assert prep.end == len(tokens) - 1 and sent.num_tokens_sent == len(tokens) - 1
+    assert len(expected[0]) == 16
+    assert pd == expected and alone == expected  # ids, text and finish reason
+
+
+async def test_mlc_backend_sends_mlcs_exact_request_json(mlc_pair):
+    tokens = [t + 40 for t in PROMPT]
+    d_channel, d_stub = engine_stub(mlc_pair["decode"].address)
+    p_channel, p_stub = engine_stub(mlc_pair["prefill"].address)
+    async with d_channel, p_channel:
+        prep = await d_stub.PrepRecv(
+            engine_pb2.PrepRecvRequest(
+                request_id="wire", token_ids=tokens, end=-1, sampling=greedy()
+            )
+        )
+        await p_stub.RemoteSend(
+            engine_pb2.RemoteSendRequest(
+                request_id="wire",
+                token_ids=tokens,
+                begin=0,
+                end=-1,
+                kv_addr_info=prep.kv_addr_info,
+                recv_rank=0,
+                sampling=greedy(),
+            )
+        )
+        await _stream(d_stub, "wire", tokens, -1)
+    receiver, sender = mlc_pair["receiver"].recorder, mlc_pair["sender"].recorder
+    ((prep_body, prep_reply),) = [
+        c for c in receiver.bodies("/microserving/prep_recv") if c[0]["user"] == "wire"
+    ]
+    ((send_body, _),) = [
+        c for c in sender.bodies("/microserving/remote_send") if c[0]["user"] == "wire"
+    ]
+    ((gen_body, _),) = [
+        c for c in receiver.bodies("/microserving/start_generate") if c[0]["user"] == "wire"
+    ]
+    end = len(tokens) - 1  # the shim normalises end=-1 before MLC sees it
+    reply = json.loads(prep_reply)
+    assert (
+        set(reply) == {"kv_append_metadata", "prefix_matched_length"}
+        and reply["prefix_matched_length"] == 0
+    )
+    metadata = json.loads(base64.b64decode(reply["kv_append_metadata"]))
+    assert metadata[0] * 2 + 1 == len(metadata) and sum(metadata[2::2]) == end
+    assert prep_body["end"] == end and prep_body["prompt"] == tokens
+    assert send_body["begin"] == 0 and send_body["end"] == end and send_body["recv_rank"] == 0
+    assert send_body["kv_addr_info"] == reply["kv_append_metadata"] == prep.kv_addr_info.decode()
+    assert gen_body["begin"] == end and gen_body["stream"] is True
+    for body in (prep_body, send_body, gen_body):
+        assert body["user"] == "wire" and body["prompt"] == tokens
+        assert body["debug_config"] == {"ignore_eos": True}  # non-null; ignore_eos lives here
+        assert body["temperature"] == 0.0 and body["max_tokens"] == 16
+        assert "begin" not in body or isinstance(body["begin"], int)
+
+
+async def test_two_compat_servers_carry_mlcs_pd_flow_over_http(mlc_pair):
+    """What MLC's router does: prep_recv on D, remote_send on P, start_generate on D."""
+    receiver, sender = mlc_pair["receiver"].url, mlc_pair["sender"].url
+    tokens = [t + 70 for t in PROMPT]
+    base = {
+        "model": "tiny",
+        "prompt": tokens,
+        "max_tokens": 12,
+        "temperature": 0.0,
+        "user": "http-pd",
+        "debug_config": {"ignore_eos": True},
+    }
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        prep = (
+            await client.post(f"{receiver}/microserving/prep_recv", json={**base, "end": -1})
+        ).json()
+        send = await client.post(
+            f"{sender}/microserving/remote_send",
+            json={
+                **base,
+                "begin": prep["prefix_matched_length"],
+                "end": -1,
+                "kv_addr_info": prep["kv_append_metadata"],
+                "recv_rank": 0,
+            },
+        )
+        text, finish = "", None
+        async with client.stream(
+            "POST",
+            f"{receiver}/microserving/start_generate",
+            json={**base, "begin": -1, "stream": True},
+        ) as stream:
+            events = [line async for line in stream.aiter_lines() if line.startswith("data:")]
+        for event in events[:-1]:
+            for choice in json.loads(event[5:])["choices"]:
+                text += choice["text"]
+                finish = choice["finish_reason"] or finish
+        alone = (
+            await client.post(f"{sender}/v1/completions", json={**base, "user": "http-alone"})
+        ).json()
+        models = (await client.get(f"{receiver}/v1/models")).json()
+    assert send.status_code == 200 and send.json() == {}
+    assert events[-1] == "data: [DONE]"
+    assert alone["object"] == "text_completion" and alone["usage"]["completion_tokens"] == 12
+    assert (
+        text == alone["choices"][0]["text"]
+        and finish == alone["choices"][0]["finish_reason"] == "length"
+    )
+    assert models["data"][0]["id"] == "tiny"
+
+
+async def test_compat_server_rejects_bad_windows_without_dying(mlc_pair):
+    receiver = mlc_pair["receiver"].url
+    base = {"prompt": PROMPT, "max_tokens": 2, "temperature": 0.0, "debug_config": {}}
+    async with httpx.AsyncClient(timeout=60.0) as client:
+        bad_end = await client.post(
+            f"{receiver}/microserving/prep_recv", json={**base, "user": "w1", "end": len(PROMPT)}
+        )
+        no_prep = await client.post(
+            f"{receiver}/microserving/start_generate", json={**base, "user": "w2", "begin": 5}
+        )
+        fine = await client.post(f"{receiver}/v1/completions", json=base)
+    assert bad_end.status_code == 400 and bad_end.json()["error"]["type"] == "invalid_request_error"
+    assert no_prep.status_code == 409
+    assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
