@@ -31,7 +31,7 @@ from bench.control_plane_run import (
 )
 from bench.loadgen.results import machine_info
 from bench.loadgen.stats import describe
-from bench.procs import ServiceGroup, service_group
+from bench.procs import Service, ServiceGroup, service_group
 from bench.stream_clients import DirectFlow, run_direct, run_router
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2_grpc, router_pb2_grpc
@@ -78,42 +78,60 @@ def _router_args(pattern: str, engines: list[str], model: str) -> list[str]:
             "--port", "0", "--log-level", "WARNING"]
 
 
-async def measure_pattern(group: ServiceGroup, config: ControlPlaneConfig, pattern: str,
-                          engines: list[str]) -> list[dict[str, Any]]:
+async def _start_stack(group: ServiceGroup, config: ControlPlaneConfig, pattern: str,
+                       engines: list[str]) -> tuple[Service, Service]:
     router = group.start(f"router-{pattern}", _router_args(pattern, engines, config.model))
     await wait_grpc_serving(router.address, config.startup_timeout_s)
     gateway = group.start(f"gateway-{pattern}", ["gateway", "--router", router.address,
                                                  "--host", "127.0.0.1", "--port", "0",
                                                  "--log-level", "warning"])
     await wait_http_ready(f"http://{gateway.address}/health", config.startup_timeout_s)
-    settings = TransportSettings()
+    return router, gateway
+
+
+async def measure_pattern(group: ServiceGroup, config: ControlPlaneConfig, pattern: str,
+                          engines: list[str], failures: list[str]) -> list[dict[str, Any]]:
+    """Cells of one pattern; when its router or gateway fails to start, the direct depth is
+    still measured and the failure is recorded."""
+    stack: tuple[Service, Service] | None = None
+    try:
+        stack = await _start_stack(group, config, pattern, engines)
+    except (RuntimeError, TimeoutError) as exc:
+        failures.append(f"{pattern}: {exc}"[:3000])
+        group.close_matching(f"-{pattern}")
+    addresses = [*engines, *([stack[0].address] if stack else [])]
+    channels = [create_channel(address, TransportSettings()) for address in addresses]
     cells: list[dict[str, Any]] = []
-    channels = [create_channel(address, settings) for address in [*engines, router.address]]
     try:
         stubs = [engine_pb2_grpc.EngineStub(ch) for ch in channels[:2]]
-        router_stub = router_pb2_grpc.RouterStub(channels[2])
         flow = (DirectFlow(engines=stubs) if pattern == "round-robin"
                 else DirectFlow(engines=[stubs[1]], prefill=stubs[0]))
+        router_stub = router_pb2_grpc.RouterStub(channels[2]) if stack else None
 
         async def direct(ids: list[int], n: int, i: int, record: Any, origin: float) -> None:
             await run_direct(flow, ids, n, i, record, origin)
 
         async def via_router(ids: list[int], n: int, i: int, record: Any, origin: float) -> None:
+            assert router_stub is not None  # only called when the stack started
             await run_router(router_stub, ids, n, record, origin)
 
         for c in config.concurrencies:
             salt = zlib.crc32(f"{pattern}/{c}".encode()) & 0xFFFF
-            for depth, run in (("direct", direct), ("router", via_router)):
-                summary = await grpc_cell(run, c, config.cell, salt)
-                cells.append(_cell(pattern, depth, c, summary, flow.num_engine_calls))
-            summary = await http_cell(f"http://{gateway.address}/v1", "", c, config.cell, salt)
-            cells.append(_cell(pattern, "gateway", c, summary, flow.num_engine_calls))
+            summary = await grpc_cell(direct, c, config.cell, salt)
+            cells.append(_cell(pattern, "direct", c, summary, flow.num_engine_calls))
+            if stack is not None:
+                summary = await grpc_cell(via_router, c, config.cell, salt)
+                cells.append(_cell(pattern, "router", c, summary, flow.num_engine_calls))
+                summary = await http_cell(f"http://{stack[1].address}/v1", "", c, config.cell,
+                                          salt)
+                cells.append(_cell(pattern, "gateway", c, summary, flow.num_engine_calls))
             print(f"  {pattern} @ {c}: done", flush=True)
     finally:
         for channel in channels:
             await channel.close(None)
-        group.stop(gateway)
-        group.stop(router)
+        if stack is not None:
+            group.stop(stack[1])
+            group.stop(stack[0])
     return cells
 
 
@@ -130,9 +148,10 @@ async def run_control_plane(config: ControlPlaneConfig, log_dir: Path) -> dict[s
         engines = [s.address for s in shims]
         await asyncio.gather(*(wait_grpc_serving(a, config.startup_timeout_s) for a in engines))
         cells: list[dict[str, Any]] = []
+        failures: list[str] = []
         for pattern in config.patterns:
-            cells += await measure_pattern(group, config, pattern, engines)
-    return {"config": asdict(config), "floors": floors, "cells": cells}
+            cells += await measure_pattern(group, config, pattern, engines, failures)
+    return {"config": asdict(config), "floors": floors, "cells": cells, "failures": failures}
 
 
 def parse_args(argv: list[str]) -> tuple[ControlPlaneConfig, Path]:

@@ -30,30 +30,38 @@ def _index(result: dict[str, Any]) -> dict[tuple[str, int, str], dict[str, Any]]
     return {(c["pattern"], c["concurrency"], c["depth"]): c for c in result["cells"]}
 
 
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return None if numerator is None or not denominator else numerator / denominator
+
+
+def _minus(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else a - b
+
+
 def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per pattern and concurrency: TTFT p50 per depth, added latency, relay ratios."""
+    """One row per pattern and concurrency: TTFT p50 per depth, added latency, relay ratios.
+    A depth that was not measured (its service failed to start) shows as None."""
     cells = _index(result)
     rtt_s = result["floors"]["echo_rtt_s"][str(min(result["config"]["concurrencies"]))]["p50"]
     out = []
     for pattern in result["config"]["patterns"]:
         for c in result["config"]["concurrencies"]:
-            by_depth = {d: cells.get((pattern, c, d)) for d in DEPTHS}
-            if not all(by_depth.values()):
+            found = {d: cells[(pattern, c, d)] for d in DEPTHS if (pattern, c, d) in cells}
+            if "direct" not in found:
                 continue
-            ttft = {d: _p50(by_depth[d]["summary"]) for d in DEPTHS}  # type: ignore[index]
-            rate = {d: by_depth[d]["summary"]["output_tokens_per_s"] for d in DEPTHS}  # type: ignore[index]
-            calls = by_depth["direct"]["num_engine_calls"]  # type: ignore[index]
-            added = None if None in (ttft["router"], ttft["direct"]) else ttft["router"] - ttft["direct"]  # type: ignore[operator]
-            errors = sum(by_depth[d]["summary"]["num_errors"] for d in DEPTHS)  # type: ignore[index]
+            ttft = {d: _p50(found[d]["summary"]) if d in found else None for d in DEPTHS}
+            rate = {d: found[d]["summary"]["output_tokens_per_s"] if d in found else None
+                    for d in DEPTHS}
+            calls = found["direct"]["num_engine_calls"]
+            added = _minus(ttft["router"], ttft["direct"])
             out.append({
                 "pattern": pattern, "concurrency": c, "ttft_p50_s": ttft, "tokens_per_s": rate,
                 "router_added_ttft_s": added,
                 "router_added_rtts_per_call": None if added is None else added / rtt_s / calls,
-                "gateway_added_ttft_s": None if None in (ttft["gateway"], ttft["router"])
-                else ttft["gateway"] - ttft["router"],  # type: ignore[operator]
-                "router_relay_ratio": rate["router"] / rate["direct"] if rate["direct"] else None,
-                "gateway_relay_ratio": rate["gateway"] / rate["direct"] if rate["direct"] else None,
-                "errors": errors,
+                "gateway_added_ttft_s": _minus(ttft["gateway"], ttft["router"]),
+                "router_relay_ratio": _ratio(rate["router"], rate["direct"]),
+                "gateway_relay_ratio": _ratio(rate["gateway"], rate["direct"]),
+                "errors": sum(cell["summary"]["num_errors"] for cell in found.values()),
             })
     return out
 
@@ -74,7 +82,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {r['pattern']} | {r['concurrency']} | {_ms(t['direct'])} | {_ms(t['router'])} | "
             f"{_ms(t['gateway'])} | {_ms(r['router_added_ttft_s'])} | "
-            f"{_fmt(r['router_added_rtts_per_call'], '.2f')} | {r['tokens_per_s']['direct']:.0f} | "
+            f"{_fmt(r['router_added_rtts_per_call'], '.2f')} | {_fmt(r['tokens_per_s']['direct'], '.0f')} | "
             f"{_fmt(r['router_relay_ratio'], '.2f')} | {_fmt(r['gateway_relay_ratio'], '.2f')} | "
             f"{r['errors']} |"
         )
@@ -85,6 +93,8 @@ def markdown(result: dict[str, Any]) -> str:
         echo, sse = floors["echo_rtt_s"][str(c)], floors["sse"][str(c)]
         lines.append(f"| {c} | {_ms(echo['p50'])} | {_ms(echo['p99'])} | {_ms(_p50(sse))} | "
                      f"{sse['output_tokens_per_s']:.0f} |")
+    for failure in result.get("failures", []):
+        lines += ["", f"Not measured: {failure.splitlines()[0]}"]
     return "\n".join(lines) + "\n"
 
 
@@ -96,7 +106,7 @@ def plot(result: dict[str, Any], path: Path) -> Path:
     for k, depth in enumerate(DEPTHS):
         xs = [i + (k - 1) * width for i in range(len(table))]
         ax_ttft.bar(xs, [(r["ttft_p50_s"][depth] or 0) * 1000 for r in table], width, label=depth)
-        ax_rate.bar(xs, [r["tokens_per_s"][depth] for r in table], width, label=depth)
+        ax_rate.bar(xs, [r["tokens_per_s"][depth] or 0 for r in table], width, label=depth)
     ax_ttft.set_yscale("log")
     ax_ttft.set_ylabel("TTFT p50 (ms, log)")
     ax_rate.set_ylabel("output tokens/s")

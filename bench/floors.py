@@ -107,6 +107,10 @@ def serve_sse(host: str, port: int) -> None:
     import uvicorn
 
     sock = socket.create_server((host, port), backlog=2048)
+    # Accepted sockets inherit this. asyncio sets TCP_NODELAY itself only on sockets whose
+    # proto is IPPROTO_TCP, and create_server's is 0: without it Nagle + delayed ACK hold
+    # the first SSE chunk of every reused connection for ~40 ms.
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     bound = sock.getsockname()[1]
     server = uvicorn.Server(uvicorn.Config(sse_app(), log_level="warning", access_log=False))
     print(f"bench floor listening on {host}:{bound}", flush=True)

@@ -110,6 +110,11 @@ class ServiceGroup:
         stop_service(service)
         self.services.remove(service)
 
+    def close_matching(self, suffix: str) -> None:
+        """Stop the services whose name ends in `suffix` (a partly started stack)."""
+        for service in [s for s in self.services if s.name.endswith(suffix)]:
+            self.stop(service)
+
     def close(self) -> None:
         for service in reversed(self.services):
             stop_service(service)
