@@ -1,10 +1,11 @@
 """Runs one client request through Router.translate_request and relays its output.
 
-Owns the request-level guarantees: retry on another engine only before the first token was
-streamed; bounded resume after a preempt from prompt + tokens already streamed (so text is
-never duplicated); Abort fanned out to every engine an attempt touched whenever it did not
-finish cleanly (failure, cancel, preempt); exactly one finish per choice, then one done or
-one error.
+Owns the request-level guarantees: retry on another engine before the first token was
+streamed; after it, a bounded resume (on another engine after an engine failure, through the
+pattern again after a preempt) from prompt + tokens already streamed, so text is never
+duplicated; Abort fanned out to every engine an attempt touched whenever it did not finish
+cleanly (failure, cancel, preempt); exactly one finish per choice, then one done or one
+error.
 """
 
 from __future__ import annotations
@@ -83,10 +84,15 @@ class RequestRunner:
             except EngineCallError as exc:
                 await _abort(self._router, ctx)
                 num_failures += 1
-                if self.num_streamed or not exc.is_retryable or num_failures >= settings.max_attempts:
+                if not exc.is_retryable or num_failures >= settings.max_attempts or not self._can_resume():
                     raise
                 excluded.add(exc.address)
-                logger.info("retrying %s elsewhere after %s", self._prepared.request_id, exc.message)
+                if self._is_complete():
+                    return
+                # Before the first token this is a plain retry; after it, the next attempt
+                # resumes from prompt + streamed tokens (see _request), so no text repeats.
+                logger.info("%s %s elsewhere after %s", "resuming" if self.num_streamed else "retrying",
+                            self._prepared.request_id, exc.message)
                 continue
             except BaseException:
                 await _abort(self._router, ctx)
@@ -105,7 +111,13 @@ class RequestRunner:
             if self._is_complete():
                 return
 
+    def _can_resume(self) -> bool:
+        """Nothing streamed yet, or one choice whose tokens a resume can continue from."""
+        return not self.num_streamed or self._num_choices == 1
+
     def _is_complete(self) -> bool:
+        if len(self._finished) == self._num_choices:
+            return True
         max_tokens = self._max_tokens()
         return max_tokens is not None and self.num_streamed >= max_tokens
 
