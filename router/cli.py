@@ -39,10 +39,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("--prep-recv-timeout-s", type=float)
     add("--remote-send-timeout-s", type=float)
     add("--max-attempts", type=int)
+    add("--max-inflight", type=int, help="requests served at once; 0 = unlimited (RESOURCE_EXHAUSTED over it)")
+    add("--health-timeout-s", type=float)
     add("--token", help="shared bearer token for every hop")
     add("--tls-cert")
     add("--tls-key")
     add("--tls-ca")
+    add("--tls-server-name", help="override of the name checked in the engines' certificates")
     add("--log-level", default="INFO")
     return parser
 

@@ -34,6 +34,12 @@ class NoEngineError(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class OverloadedError(RouterError):
+    """The router's admission limit (max_inflight) is reached; the client should retry."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class EngineCallError(RouterError):
     """An engine call failed. `address` and `stage` say which call; `code` is the engine's
     status code (DEADLINE_EXCEEDED when a router-side stage deadline fired)."""

@@ -17,7 +17,7 @@ import grpc
 from grpc import aio
 
 from microserving.v1 import router_pb2, router_pb2_grpc
-from router.errors import InvalidRequestError, RouterError
+from router.errors import InvalidRequestError, OverloadedError, RouterError
 from router.inputs import prepare
 from router.outbox import Outbox, StreamError
 from router.router import Router
@@ -112,13 +112,17 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
     async def _run(self, new: router_pb2.NewRequest, outbox: Outbox) -> None:
         router = self._router
+        limit = router.settings.max_inflight
+        if limit and self._num_inflight >= limit:
+            _put_error(outbox, new.request_id, OverloadedError(
+                f"the router has {limit} requests in flight, its limit; retry later"))
+            return
         self._num_inflight += 1
         try:
             try:
                 prepared = prepare(new, router.tokenizer, router.model_id, router.registry.max_context_length)
             except RouterError as exc:
-                error = router_pb2.RequestError(code=exc.code.value[0], message=exc.message, param=exc.param)
-                outbox.put(router_pb2.GenerateResponse(request_id=new.request_id, error=error))
+                _put_error(outbox, new.request_id, exc)
                 return
             await RequestRunner(router, prepared, outbox).run()
         finally:
@@ -160,3 +164,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return router_pb2.MigrateContextResponse(
             prefix_matched_length=matched, num_tokens_moved=moved, source=source
         )
+
+
+def _put_error(outbox: Outbox, request_id: str, exc: RouterError) -> None:
+    error = router_pb2.RequestError(code=exc.code.value[0], message=exc.message, param=exc.param)
+    outbox.put(router_pb2.GenerateResponse(request_id=request_id, error=error))

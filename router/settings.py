@@ -58,7 +58,8 @@ class RouterSettings(BaseSettings):
     first_token_timeout_s: float = Field(default=120.0, gt=0, description="Deadline for the first streamed message.")
     inter_token_timeout_s: float = Field(default=30.0, gt=0, description="Deadline between streamed messages.")
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Deadline of an Abort call.")
-    max_attempts: int = Field(default=3, ge=1, description="Engine attempts per request before its first token.")
+    max_attempts: int = Field(default=3, ge=1, description="Engine attempts per request: retries before the first token, resumes after it.")
+    max_inflight: int = Field(default=0, ge=0, description="Requests served at once; 0 = unlimited. Over it: RESOURCE_EXHAUSTED.")
     max_preempt_retries: int = Field(default=4, ge=0, description="Resumes of a preempted request.")
 
     adaptive_min_remote_tokens: int = Field(default=32, ge=0, description="Adaptive: below this many uncached tokens, skip P.")
