@@ -34,6 +34,14 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--mlc-timeout-s", float, "upper bound of one MLC HTTP call"),
     ("--drain-grace-s", float, "seconds in-flight calls get on SIGTERM / SIGINT"),
     ("--kv-push-chunk-bytes", int, "largest KV payload of one PushKV message"),
+    ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
+    ("--max-message-bytes", int, "largest gRPC message in either direction"),
+    ("--token", str, "shared bearer token required on every call and sent to peers "
+     "(prefer MICROSERVING_SHIM_TOKEN: flags show in ps)"),
+    ("--tls-cert", str, "PEM certificate of this shim (serves TLS; client cert to peers)"),
+    ("--tls-key", str, "PEM key of --tls-cert"),
+    ("--tls-ca", str, "CA bundle: requires client certificates (mutual TLS), verifies peers"),
+    ("--tls-server-name", str, "override of the name checked in peers' certificates"),
     ("--log-level", str, "logging level"),
 )
 
@@ -41,8 +49,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="microserving shim",
-        description="Serve one engine over gRPC (microserving.v1.Engine). TLS and the token are "
-        "set through MICROSERVING_SHIM_TLS_CERT/_TLS_KEY/_TLS_CA/_TOKEN.",
+        description="Serve one engine over gRPC (microserving.v1.Engine). Every flag also reads "
+        "MICROSERVING_SHIM_<NAME> (e.g. MICROSERVING_SHIM_TOKEN, MICROSERVING_SHIM_TLS_CERT).",
     )
     for flag, kind, help_ in _FLAGS:
         parser.add_argument(flag, type=kind, default=None, help=help_)
