@@ -35,6 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tls-ca", help="CA bundle verifying the router (TLS)")
     parser.add_argument("--tls-cert", help="client certificate (mutual TLS)")
     parser.add_argument("--tls-key", help="client key (mutual TLS)")
+    parser.add_argument("--tls-server-name", help="override of the name in the router's cert")
+    parser.add_argument("--token", help="shared bearer token of the gRPC hops "
+                        "(prefer MICROSERVING_GATEWAY_TOKEN: flags show in ps)")
     return parser
 
 

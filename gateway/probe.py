@@ -44,8 +44,10 @@ async def grpc_status(address: str, timeout_s: float, transport: TransportSettin
     return str(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 
 
-def is_grpc_serving(address: str, timeout_s: float = 2.0) -> bool:
-    status = asyncio.run(grpc_status(address, timeout_s, _transport_from_env()))
+def is_grpc_serving(address: str, timeout_s: float = 2.0,
+                    transport: TransportSettings | None = None) -> bool:
+    """SERVING or not; `transport` defaults to the MICROSERVING_PROBE_* environment."""
+    status = asyncio.run(grpc_status(address, timeout_s, transport or _transport_from_env()))
     return status == "SERVING"
 
 

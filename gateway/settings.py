@@ -42,6 +42,8 @@ class GatewaySettings(BaseSettings):
     tls_key: str | None = Field(default=None, description="Client key for mutual TLS.")
     token: SecretStr | None = Field(default=None,
                                     description="Shared bearer token of the gRPC hops.")
+    tls_server_name: str | None = Field(
+        default=None, description="Override of the name checked in the router's certificate.")
 
     @field_validator("api_keys", mode="before")
     @classmethod

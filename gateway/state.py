@@ -29,7 +29,8 @@ class GatewayState:
         """Must run inside the event loop that serves the app (the gRPC channel binds to it)."""
         token = settings.token.get_secret_value() if settings.token else None
         transport = TransportSettings(tls_cert=settings.tls_cert, tls_key=settings.tls_key,
-                                      tls_ca=settings.tls_ca, token=token)
+                                      tls_ca=settings.tls_ca, token=token,
+                                      tls_server_name=settings.tls_server_name)
         router = RouterClient(settings.router, transport)
 
         context = ServingContext(router=router, metrics=metrics,

@@ -9,6 +9,7 @@ everything in reverse order (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 from gateway.launcher import ManagedProcess
 from gateway.probe import is_grpc_serving, is_http_healthy
+from microserving.transport import TransportSettings
 
 INTERNAL_HOST = "127.0.0.1"
 _PROGRESS_EVERY_S = 5.0
@@ -36,6 +38,8 @@ class StackPlan:
     gateway_args: tuple[str, ...]
     startup_timeout_s: float
     grace_s: float
+    transport: TransportSettings = TransportSettings()  # every gRPC hop of the stack
+    router_args: tuple[str, ...] = ()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,6 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-port", type=int, default=50051, help="router port; 0 picks one")
     parser.add_argument("--api-key", action="append", default=[], help="gateway API key")
     parser.add_argument("--max-inflight", type=int, help="gateway admission limit")
+    parser.add_argument("--router-max-inflight", type=int, help="router admission limit")
+    parser.add_argument("--tls-cert", help="PEM certificate (server and client) of every service")
+    parser.add_argument("--tls-key", help="PEM key of --tls-cert")
+    parser.add_argument("--tls-ca", help="CA bundle: mutual TLS on every gRPC hop")
+    parser.add_argument("--tls-server-name", help="name to check in the certificates")
+    parser.add_argument("--internal-token", action="store_true",
+                        help="require the shared token of MICROSERVING_INTERNAL_TOKEN on every "
+                             "gRPC hop (read from the environment so it never shows in ps)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
     return parser
@@ -84,9 +96,19 @@ def plan_from_args(argv: list[str]) -> StackPlan:
         gateway_args += ["--api-key", key]
     if args.max_inflight is not None:
         gateway_args += ["--max-inflight", str(args.max_inflight)]
+    if args.router_max_inflight is not None:
+        router_extra = ("--max-inflight", str(args.router_max_inflight))
+    else:
+        router_extra = ()
+    token = os.environ.get("MICROSERVING_INTERNAL_TOKEN") if args.internal_token else None
+    if args.internal_token and not token:
+        parser.error("--internal-token needs MICROSERVING_INTERNAL_TOKEN in the environment")
+    transport = TransportSettings(tls_cert=args.tls_cert, tls_key=args.tls_key,
+                                  tls_ca=args.tls_ca, token=token,
+                                  tls_server_name=args.tls_server_name)
     return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
-                     args.grace_s)
+                     args.grace_s, transport, router_extra)
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
@@ -105,7 +127,18 @@ def router_command(plan: StackPlan, engines: list[tuple[str, str]]) -> list[str]
         args += ["--engine", f"{address}={role}"]
     if plan.pd_balance_factor is not None:
         args += ["--pd-balance-factor", str(plan.pd_balance_factor)]
-    return _command("router", *args)
+    return _command("router", *args, *plan.router_args)
+
+
+def transport_env(prefix: str, transport: TransportSettings) -> dict[str, str]:
+    """The child's environment: ours plus its service's TLS / token variables (the token
+    travels in the environment, never on a command line)."""
+    values = {"TLS_CERT": transport.tls_cert, "TLS_KEY": transport.tls_key,
+              "TLS_CA": transport.tls_ca, "TOKEN": transport.token,
+              "TLS_SERVER_NAME": transport.tls_server_name}
+    env = dict(os.environ)
+    env.update({f"MICROSERVING_{prefix}_{name}": value for name, value in values.items() if value})
+    return env
 
 
 def gateway_command(plan: StackPlan, router_address: str) -> list[str]:
@@ -131,8 +164,9 @@ class Stack:
             self.exited = child
             self.stopping.set()
 
-    def spawn(self, name: str, argv: list[str]) -> ManagedProcess:
-        child = ManagedProcess(name, argv, self._on_exit)
+    def spawn(self, name: str, argv: list[str], env_prefix: str) -> ManagedProcess:
+        env = transport_env(env_prefix, self.plan.transport)
+        child = ManagedProcess(name, argv, self._on_exit, env=env)
         self.children.append(child)
         _say(f"started {name} (pid {child.pid}): {' '.join(argv[1:])}")
         return child
@@ -166,13 +200,17 @@ class Stack:
     def start(self) -> str:
         plan = self.plan
         deadline_s = time.monotonic() + plan.startup_timeout_s
-        shims = [self.spawn(f"{role}-{i}", shim_command(plan, role))
+        shims = [self.spawn(f"{role}-{i}", shim_command(plan, role), "SHIM")
                  for i, role in enumerate(plan.roles)]
-        engines = [(self.wait_ready(s, is_grpc_serving, deadline_s), r)
+
+        def is_serving(address: str) -> bool:
+            return is_grpc_serving(address, transport=plan.transport)
+
+        engines = [(self.wait_ready(s, is_serving, deadline_s), r)
                    for s, r in zip(shims, plan.roles, strict=True)]
-        router = self.spawn("router", router_command(plan, engines))
-        router_address = self.wait_ready(router, is_grpc_serving, deadline_s)
-        gateway = self.spawn("gateway", gateway_command(plan, router_address))
+        router = self.spawn("router", router_command(plan, engines), "ROUTER")
+        router_address = self.wait_ready(router, is_serving, deadline_s)
+        gateway = self.spawn("gateway", gateway_command(plan, router_address), "GATEWAY")
         address = self.wait_ready(gateway, lambda a: is_http_healthy(f"http://{a}/health"),
                                   deadline_s)
         return f"http://{address}/v1"
