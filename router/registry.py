@@ -52,9 +52,9 @@ class EngineRegistry:
         if address in self._endpoints:
             return self._endpoints[address]
         endpoint = Endpoint(address=address, configured_roles=roles, num_gpus=num_gpus, source=source)
-        endpoint.connect(self._transport)
         self._endpoints[address] = endpoint
-        if self._is_started:
+        if self._is_started:  # channels bind to the running loop: connect inside it
+            endpoint.connect(self._transport)
             self._start_monitor(endpoint)
         logger.info("engine %s joined (%s)", address, source)
         return endpoint
@@ -162,6 +162,8 @@ class EngineRegistry:
     async def start(self) -> None:
         """Start monitoring; returns after one check of every engine."""
         self._is_started = True
+        for endpoint in self._endpoints.values():
+            endpoint.connect(self._transport)
         await asyncio.gather(*(self.check_now(e) for e in self._endpoints.values()))
         for endpoint in self._endpoints.values():
             self._start_monitor(endpoint)

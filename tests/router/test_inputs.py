@@ -1,0 +1,70 @@
+"""Input handling: text, token ids and chat are tokenized once; bad sampling values, lengths
+and unknown models are refused with the field at fault."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from microserving.tokenizer import Tokenizer
+from microserving.v1 import common_pb2, router_pb2
+from router.errors import RouterError
+from router.inputs import prepare
+
+TOKENIZER = Tokenizer.from_model("tiny")
+
+
+def _new(**fields: object) -> router_pb2.NewRequest:
+    fields.setdefault("request_id", "r")
+    return router_pb2.NewRequest(**fields)  # type: ignore[arg-type]
+
+
+def test_text_is_tokenized_with_bos() -> None:
+    prepared = prepare(_new(text="hi"), TOKENIZER, "tiny", 1024)
+    assert list(prepared.token_ids) == TOKENIZER.encode("hi")
+    assert prepared.token_ids[0] == TOKENIZER.bos_token_id
+
+
+def test_chat_is_rendered_with_the_template() -> None:
+    chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="yo")])
+    prepared = prepare(_new(chat=chat), TOKENIZER, "tiny", 1024)
+    assert list(prepared.token_ids) == TOKENIZER.encode_chat([{"role": "user", "content": "yo"}])
+    assert prepared.prompt_text.endswith("<|assistant|>")
+
+
+def test_token_ids_pass_through() -> None:
+    prepared = prepare(_new(token_ids=router_pb2.TokenIds(ids=[1, 2, 3])), TOKENIZER, "tiny", None)
+    assert prepared.token_ids == (1, 2, 3)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"text": "x", "sampling": common_pb2.SamplingParams(temperature=-1)}, "sampling.temperature"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(top_p=0)}, "sampling.top_p"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=0)}, "sampling.max_tokens"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(n=0)}, "sampling.n"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(presence_penalty=3)}, "sampling.presence_penalty"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(logit_bias={5: 101})}, "sampling.logit_bias"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(top_logprobs=21)}, "sampling.top_logprobs"),
+        ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=1023)}, "sampling.max_tokens"),
+        ({"text": "x" * 2000}, "input"),
+        ({"token_ids": router_pb2.TokenIds(ids=[10**6])}, "token_ids.ids"),
+        ({"token_ids": router_pb2.TokenIds()}, "token_ids.ids"),
+        ({}, "input"),
+        ({"text": ""}, "text"),
+        ({"chat": router_pb2.ChatMessages()}, "chat.messages"),
+        ({"request_id": "x" * 257, "text": "x"}, "request_id"),
+    ],
+)
+def test_invalid_input_is_refused_with_its_field(fields: dict[str, object], param: str) -> None:
+    with pytest.raises(RouterError) as caught:
+        prepare(_new(**fields), TOKENIZER, "tiny", 1024)
+    assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.param == param
+
+
+def test_unknown_model_is_not_found() -> None:
+    with pytest.raises(RouterError) as caught:
+        prepare(_new(text="x", model="gpt-9"), TOKENIZER, "tiny", 1024)
+    assert caught.value.code == grpc.StatusCode.NOT_FOUND
