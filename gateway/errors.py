@@ -80,9 +80,11 @@ class GatewayError(Exception):
 
 
 def _is_prompt_too_long(param: str, message: str) -> bool:
-    """The router's INVALID_ARGUMENT for an over-long prompt (until it sends OUT_OF_RANGE)."""
+    """The router's INVALID_ARGUMENT for a prompt longer than the context (param "input" or
+    "prompt", a message naming the context); kept until the router sends OUT_OF_RANGE."""
     text = message.lower()
-    return param.startswith("prompt") and ("context length" in text or "too long" in text)
+    return param.split(".")[0] in ("prompt", "input") and (
+        "context" in text or "too long" in text)
 
 
 def from_grpc(code: grpc.StatusCode, message: str, param: str = "") -> GatewayError:
