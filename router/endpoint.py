@@ -18,8 +18,8 @@ ROLE_NAMES: dict[str, int] = {
     "decode": common_pb2.ENGINE_ROLE_DECODE,
     "both": common_pb2.ENGINE_ROLE_BOTH,
 }
-PREFILL = common_pb2.ENGINE_ROLE_PREFILL
-DECODE = common_pb2.ENGINE_ROLE_DECODE
+PREFILL: int = common_pb2.ENGINE_ROLE_PREFILL
+DECODE: int = common_pb2.ENGINE_ROLE_DECODE
 
 # Stages the router counts per engine.
 STAGE_PREP_RECV = "prep_recv"
@@ -62,7 +62,7 @@ class Endpoint:
     def roles(self) -> frozenset[int]:
         if self.configured_roles is not None:
             return expand_roles(self.configured_roles)
-        reported = set(self.status.roles) if self.status is not None else set()
+        reported = {int(r) for r in self.status.roles} if self.status is not None else set()
         return expand_roles(reported)
 
     @property
@@ -113,7 +113,7 @@ class Endpoint:
         status = self.status
         return router_pb2.EngineInfo(
             address=self.address,
-            roles=sorted(self.roles),
+            roles=sorted(self.roles),  # type: ignore[arg-type]
             health=self.health,  # type: ignore[arg-type]
             model_id=status.model_id if status else "",
             num_inflight_prefill=self.num_inflight_prefill,
