@@ -8,12 +8,12 @@ from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completion import CompletionRequest
 from microserving.v1 import common_pb2, router_pb2
 
-_PATTERNS = {
+_PATTERNS: dict[str, router_pb2.Pattern.ValueType] = {
     "round-robin": router_pb2.PATTERN_ROUND_ROBIN,
     "disagg": router_pb2.PATTERN_DISAGG,
     "adaptive-disagg": router_pb2.PATTERN_ADAPTIVE_DISAGG,
 }
-_FINISH_REASONS = {
+_FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
     common_pb2.FINISH_REASON_ABORT: "abort",
@@ -45,7 +45,8 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
 def _hints(hints: PatternHintsParam | None) -> router_pb2.PatternHints | None:
     if hints is None:
         return None
-    message = router_pb2.PatternHints(pattern=_PATTERNS.get(hints.pattern or "", 0))
+    message = router_pb2.PatternHints(
+        pattern=_PATTERNS.get(hints.pattern or "", router_pb2.PATTERN_UNSPECIFIED))
     if hints.pd_balance_factor is not None:
         message.pd_balance_factor = hints.pd_balance_factor
     if hints.cache_aware is not None:

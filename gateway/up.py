@@ -96,10 +96,9 @@ def plan_from_args(argv: list[str]) -> StackPlan:
         gateway_args += ["--api-key", key]
     if args.max_inflight is not None:
         gateway_args += ["--max-inflight", str(args.max_inflight)]
+    router_extra: tuple[str, ...] = ()
     if args.router_max_inflight is not None:
         router_extra = ("--max-inflight", str(args.router_max_inflight))
-    else:
-        router_extra = ()
     token = os.environ.get("MICROSERVING_INTERNAL_TOKEN") if args.internal_token else None
     if args.internal_token and not token:
         parser.error("--internal-token needs MICROSERVING_INTERNAL_TOKEN in the environment")

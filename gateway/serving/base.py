@@ -133,9 +133,9 @@ class GenerationServing(ABC, Generic[RequestT]):
             self.context.on_error(error)
             yield encode_event(error.body())
         except aio.AioRpcError as rpc_error:
-            error = from_rpc_error(rpc_error)
-            self.context.on_error(error)
-            yield encode_event(error.body())
+            mapped = from_rpc_error(rpc_error)
+            self.context.on_error(mapped)
+            yield encode_event(mapped.body())
         yield DONE_EVENT
 
 
