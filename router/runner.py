@@ -25,6 +25,7 @@ from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
 from router.inputs import PreparedRequest
 from router.openai_protocol import CompletionRequest
 from router.outbox import Outbox
+from router.resumed_text import ResumedText
 from router.router import Router
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,7 @@ class RequestRunner:
         sampling = prepared.sampling
         self._num_choices = sampling.n if sampling.HasField("n") else 1
         self._streamed: list[list[int]] = [[] for _ in range(self._num_choices)]
+        self._sent_text = [""] * self._num_choices
         self._finished: dict[int, int] = {}
         self._completion_before_attempt = 0
         self._cached_tokens = 0
@@ -142,6 +144,9 @@ class RequestRunner:
         self._completion_before_attempt = self.num_streamed
         request = self._request(ctx.engine_request_id)
         rid = self._prepared.request_id
+        resumed = None
+        if self.num_streamed:  # a resume: the router decodes the text (see resumed_text.py)
+            resumed = ResumedText(self._router.tokenizer, self._sent_text[0], self._prepared.sampling.stop)
         generator = self._router.translate_request(request, ctx.engine_request_id)
         async with contextlib.aclosing(generator):
             async for response in generator:
@@ -153,10 +158,17 @@ class RequestRunner:
                         return _Outcome.PREEMPTED
                     ids = choice.token_ids or ()
                     self._streamed[choice.index].extend(ids)
-                    self._outbox.put_delta(rid, choice.index, ids, choice.text,
+                    text = choice.text
+                    if resumed is not None:
+                        text, is_stopped = resumed.advance(self._streamed[choice.index], bool(reason))
+                        reason = common_pb2.FINISH_REASON_STOP if is_stopped else reason
+                    self._sent_text[choice.index] += text
+                    self._outbox.put_delta(rid, choice.index, ids, text,
                                            logprobs_to_proto(choice.logprobs), reason)
                     if reason:
                         self._finished[choice.index] = reason
+                if resumed is not None and self._is_complete():
+                    return _Outcome.DONE  # a stop string across the resume point ended it
                 if response.usage is not None:
                     self._engine_completion = response.usage.completion_tokens
                     self._cached_tokens = int((response.usage.extra or {}).get("cached_tokens", 0))
