@@ -36,8 +36,12 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-push-chunk-bytes", int, "largest KV payload of one PushKV message"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
     ("--max-message-bytes", int, "largest gRPC message in either direction"),
-    ("--token", str, "shared bearer token required on every call and sent to peers "
-     "(prefer MICROSERVING_SHIM_TOKEN: flags show in ps)"),
+    (
+        "--token",
+        str,
+        "shared bearer token required on every call and sent to peers "
+        "(prefer MICROSERVING_SHIM_TOKEN: flags show in ps)",
+    ),
     ("--tls-cert", str, "PEM certificate of this shim (serves TLS; client cert to peers)"),
     ("--tls-key", str, "PEM key of --tls-cert"),
     ("--tls-ca", str, "CA bundle: requires client certificates (mutual TLS), verifies peers"),

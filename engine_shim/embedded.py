@@ -138,7 +138,7 @@ class EmbeddedBackend:
             async for output in outputs:
                 yield output
         finally:
-            await outputs.aclose()  # AsyncEngine aborts a request whose stream closes early
+            await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self.engine.import_kv(request_id, chunk)

@@ -147,4 +147,4 @@ class CompatService:
             async for output in outputs:
                 yield output
         finally:
-            await outputs.aclose()  # AsyncEngine aborts a request whose stream closes early
+            await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
