@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = copy_bandwidth_gbps()
     print(f"copy bandwidth: {bandwidth:.0f} GB/s", flush=True)
     mc = resolve_model_config(args.model)
-    print(f"model {args.model}: {mc.num_parameters() / 1e9:.2f}B parameters", flush=True)
+    print(f"model {args.model}: {mc.num_parameters / 1e9:.2f}B parameters", flush=True)
     engine = new_engine(args.model, max(batches))
     figures: list[Figure] = []
     for length in lengths:

@@ -16,8 +16,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-# Preset names that give the byte-level tokenizer (the models `tiny` and `llama-100m` use it).
-PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m")
+# Preset names that give the byte-level tokenizer (every model preset uses it).
+PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m", "llama-1b")
 
 # Byte tokens take ids 0..255 (id == byte value); the specials follow in this order.
 BYTE_SPECIAL_TOKENS: tuple[str, ...] = (

@@ -4,8 +4,9 @@ A step's tokens are flattened into one batch of T tokens from B sequences. Each 
 contributes `q_len` query tokens at positions [ctx_len - q_len, ctx_len) and reads keys/values
 of positions [0, ctx_len) from the cache through its slot list (absolute slot indices derived
 from its block table). This is the gather-based reference path: correct on any device, one
-sequence at a time so a sequence's numbers do not depend on what else is in the batch. A fused
-CUDA paged-attention kernel would replace `paged_attention` and nothing else.
+sequence at a time so a sequence's numbers do not depend on what else is in the batch. On CUDA
+a decode step instead carries tensor metadata (`PagedDecode`) and runs the Triton kernel of
+triton_attention.py, which reads K/V through the block table without gathering them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .triton_attention import paged_decode_attention
 
 
 @dataclass
@@ -33,6 +36,15 @@ class DecodeBatch:
 
 
 @dataclass
+class PagedDecode:
+    """Decode metadata as tensors only (CUDA graphs capture it): one query per sequence."""
+
+    block_tables: torch.Tensor  # [B, max_pages] int32 page ids
+    context_lens: torch.Tensor  # [B] int32 keys visible, including the new token
+    page_size: int
+
+
+@dataclass
 class AttnContext:
     """Everything attention needs for one forward pass, shared by all layers."""
 
@@ -40,6 +52,7 @@ class AttnContext:
     seqs: list[SeqAttnInfo]
     sliding_window: int | None = None
     decode: DecodeBatch | None = None  # set when every q_len == 1
+    paged_decode: PagedDecode | None = None  # CUDA decode through the Triton kernel
 
 
 def build_decode_batch(seqs: list[SeqAttnInfo], sliding_window: int | None) -> DecodeBatch:
@@ -72,6 +85,11 @@ def paged_attention(
     """q: [T, Hq, D] -> out: [T, Hq, D]; K/V of the new tokens are already in the cache."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    if ctx.paged_decode is not None:
+        meta = ctx.paged_decode
+        return paged_decode_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.page_size, scale
+        )
     if ctx.decode is not None:
         return _decode_attention(q, k_cache, v_cache, ctx.decode, group, scale)
     out = torch.empty_like(q)
@@ -82,9 +100,12 @@ def paged_attention(
         if group > 1:
             k = k.repeat_interleave(group, dim=0)  # [Hq, ctx, D]
             v = v.repeat_interleave(group, dim=0)
-        mask = _causal_mask(seq, ctx.sliding_window, q.device)
+        # A whole prompt at once (queries cover every key) is plain causal attention, which
+        # SDPA's fused kernels run without materialising a [q_len, ctx] mask.
+        is_causal = seq.q_len == seq.ctx_len > 1 and ctx.sliding_window is None
+        mask = None if is_causal else _causal_mask(seq, ctx.sliding_window, q.device)
         o = F.scaled_dot_product_attention(
-            q_seq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale
+            q_seq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=is_causal, scale=scale
         )
         out[seq.q_start : seq.q_start + seq.q_len] = o.transpose(0, 1)
     return out

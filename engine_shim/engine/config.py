@@ -75,6 +75,22 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
         # then has wide margins and batched vs alone runs agree token for token.
         init_std=0.1,
     ),
+    # Llama-shaped ~1.1B (Llama-3.2-1B layout with a 32000 vocab) for the GPU benchmarks. The byte
+    # tokenizer covers only the first ids; generated ids past it decode to nothing.
+    "llama-1b": ModelConfig(
+        architecture="llama",
+        vocab_size=32000,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=64,
+        max_position_embeddings=16384,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        init_std=0.02,
+    ),
     # ~100M parameters, for benchmarks.
     "llama-100m": ModelConfig(
         architecture="llama",
@@ -166,6 +182,7 @@ class EngineConfig:
     seed: int = 0  # weights of presets and the default sampling generator
     kv_export_chunk_tokens: int = 256  # remote_send hands KV over in chunks of this many tokens
     max_context_length: int | None = None  # None: the model's max_position_embeddings
+    cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode steps
     extra: dict[str, str] = field(default_factory=dict)  # reserved; must stay empty
 
     def __post_init__(self) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttnContext
+from .attention import AttnContext, PagedDecode
 from .model import CausalLM
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
@@ -57,8 +57,7 @@ class DecodeGraphRunner:
     def _context(self, n: int) -> AttnContext:
         return AttnContext(
             slot_mapping=self.slot_mapping[:n], seqs=[],
-            block_tables=self.block_tables[:n], context_lens=self.context_lens[:n],
-            page_size=self.page_size,
+            paged_decode=PagedDecode(self.block_tables[:n], self.context_lens[:n], self.page_size),
         )
 
     def _forward(self, n: int) -> torch.Tensor:

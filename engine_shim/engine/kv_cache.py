@@ -15,12 +15,16 @@ from .config import ModelConfig
 
 
 class KVCache:
+    """The pool's pages plus, past them, one scratch page that belongs to no sequence: CUDA-graph
+    replays pad their batch with rows that write there (`scratch_slot`)."""
+
     def __init__(
         self, config: ModelConfig, num_pages: int, page_size: int, dtype: torch.dtype,
         device: str,
     ) -> None:
         self.num_slots = num_pages * page_size
-        shape = (config.num_layers, 2, self.num_slots, config.num_kv_heads, config.head_dim)
+        self.scratch_slot = self.num_slots  # first slot of the scratch page
+        shape = (config.num_layers, 2, self.num_slots + page_size, config.num_kv_heads, config.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod

@@ -39,9 +39,9 @@ from .api import (
 from .block_manager import BlockManager, num_pages_for, slot_segments, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
 from .kv_cache import KVCache
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, RunResult
 from .request import Choice, GenerateRequest, add_token, finish_choice, take_delta
-from .sampler import sample
+from .sampler import SampledToken, is_plain_greedy, sample
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqKind, SeqStatus, Sequence
 from .weights import DTYPES, build_model, model_fingerprint
@@ -374,12 +374,13 @@ class LLMEngine:
                 item.seq.status = SeqStatus.PARKED
                 self._on_send_ready(item.seq)
         touched: dict[str, GenerateRequest] = {}
-        for row, index in enumerate(result.sampled_index):
+        requests = [self._requests[batch[index].seq.request_id] for index in result.sampled_index]
+        result.prepare([is_plain_greedy(r.sampling) for r in requests])
+        for row, (index, request) in enumerate(zip(result.sampled_index, requests, strict=True)):
             seq = batch[index].seq
-            request = self._requests[seq.request_id]
             touched[request.request_id] = request
             for choice in self._choices_sampling_now(request, seq):
-                self._sample_into(request, choice, result.logits[row])
+                self._sample_into(request, choice, result, row)
         for request in touched.values():
             self._emit(request)
 
@@ -422,11 +423,18 @@ class LLMEngine:
             children.append(choice)
         return children
 
-    def _sample_into(self, request: GenerateRequest, choice: Choice, logits: torch.Tensor) -> None:
+    def _sample_into(
+        self, request: GenerateRequest, choice: Choice, result: RunResult, row: int
+    ) -> None:
         seq = choice.seq
         if seq.num_pending_tokens != 0:
             return  # a child that must recompute its prompt samples when it gets there
-        sampled = sample(logits, request.sampling, seq.output_token_ids, choice.generator)
+        greedy = result.greedy_token(row)
+        if greedy is not None:
+            sampled = SampledToken(greedy)
+        else:
+            logits = result.host_logits(row)
+            sampled = sample(logits, request.sampling, seq.output_token_ids, choice.generator)
         seq.token_ids.append(sampled.token_id)
         add_token(request, choice, sampled, self.tokenizer)
         if choice.is_finished:
@@ -580,3 +588,5 @@ class LLMEngine:
         seq = Sequence(0, "__warmup__", [0, 1], 2, SeqKind.GENERATE, block_table=page)
         self.runner.run([ScheduledSeq(seq, 2)], [True])
         self.block_manager.release(page)
+        if self.config.cuda_graphs:
+            self.runner.capture_cuda_graphs(self.config.max_num_seqs, self.max_context_length)

@@ -1,5 +1,11 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and returns
-the logits of the sequences that caught up with their tokens (the ones that sample)."""
+the logits of the sequences that caught up with their tokens (the ones that sample).
+
+On CUDA a pure decode step (one token per sequence) takes a faster road: metadata built from
+Python ints in one pass, the Triton paged-attention kernel, and a CUDA-graph replay when the
+batch fits a captured bucket. Logits stay on the device; greedy rows are reduced to token ids
+there and only rows that need full sampling are copied to the host.
+"""
 
 from __future__ import annotations
 
@@ -7,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttnContext, SeqAttnInfo, build_decode_batch
+from . import triton_attention
+from .attention import AttnContext, PagedDecode, SeqAttnInfo, build_decode_batch
 from .config import ModelConfig
+from .cuda_graphs import DecodeGraphRunner
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import ScheduledSeq
@@ -16,9 +24,34 @@ from .scheduler import ScheduledSeq
 
 @dataclass
 class RunResult:
-    # logits: [len(sampled_index), vocab] fp32, row i belongs to scheduled[sampled_index[i]]
+    # logits: [len(sampled_index), vocab] fp32 on the model's device; row i belongs to
+    # scheduled[sampled_index[i]]
     logits: torch.Tensor
     sampled_index: list[int]
+    _greedy: dict[int, int] | None = None
+    _host_rows: dict[int, torch.Tensor] | None = None
+
+    def prepare(self, is_plain_greedy: list[bool]) -> None:
+        """Argmax of the plain-greedy rows on the device, and one host copy of the others."""
+        greedy_rows = [r for r, plain in enumerate(is_plain_greedy) if plain]
+        other_rows = [r for r, plain in enumerate(is_plain_greedy) if not plain]
+        self._greedy = {}
+        if greedy_rows:
+            ids = self.logits[greedy_rows].argmax(dim=-1).tolist()
+            self._greedy = dict(zip(greedy_rows, ids, strict=True))
+        self._host_rows = {}
+        if other_rows:
+            host = self.logits[other_rows].to("cpu")
+            self._host_rows = {r: host[i] for i, r in enumerate(other_rows)}
+
+    def greedy_token(self, row: int) -> int | None:
+        return None if self._greedy is None else self._greedy.get(row)
+
+    def host_logits(self, row: int) -> torch.Tensor:
+        """[vocab] fp32 on the CPU."""
+        if self._host_rows is not None and row in self._host_rows:
+            return self._host_rows[row]
+        return self.logits[row].to("cpu")
 
 
 class ModelRunner:
@@ -28,9 +61,30 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.device = next(model.parameters()).device
+        # The Triton decode kernel covers full attention; sliding windows keep the reference.
+        self.use_paged_decode_kernel = (
+            self.device.type == "cuda"
+            and config.sliding_window is None
+            and triton_attention.is_available(self.device)
+        )
+        self.graphs: DecodeGraphRunner | None = None
+
+    def capture_cuda_graphs(self, max_batch: int, max_context_length: int) -> None:
+        """Capture decode graphs for batches up to max_batch (CUDA with the Triton kernel)."""
+        if not self.use_paged_decode_kernel:
+            return
+        max_pages = -(-max_context_length // self.page_size)
+        runner = DecodeGraphRunner(
+            self.model, self.kv_cache.kv, self.page_size, max_pages,
+            self.kv_cache.scratch_slot, max_batch,
+        )
+        runner.capture()
+        self.graphs = runner
 
     @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> RunResult:
+        if self.use_paged_decode_kernel and _is_pure_decode(batch):
+            return self._run_paged_decode(batch, needs_logits)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -64,7 +118,38 @@ class ModelRunner:
         if not last_token_rows:
             return RunResult(torch.empty(0, self.config.vocab_size), [])
         rows = torch.tensor(last_token_rows, dtype=torch.int64, device=self.device)
-        logits = self.model.logits(hidden.index_select(0, rows)).to("cpu")
+        logits = self.model.logits(hidden.index_select(0, rows))
+        return RunResult(logits, sampled_index)
+
+    def _run_paged_decode(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> RunResult:
+        page_size = self.page_size
+        input_ids, positions, slots, context_lens = [], [], [], []
+        for item in batch:
+            seq, pos = item.seq, item.seq.num_computed_tokens
+            input_ids.append(seq.token_ids[pos])
+            positions.append(pos)
+            slots.append(seq.block_table[pos // page_size] * page_size + pos % page_size)
+            context_lens.append(pos + 1)
+        width = max(len(item.seq.block_table) for item in batch)
+        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch]
+        device = self.device
+        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
+        slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
+        tables_t = torch.tensor(tables, dtype=torch.int32, device=device)
+        lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+        graphs = self.graphs
+        if graphs is not None and len(batch) <= graphs.max_batch and width <= graphs.block_tables.shape[1]:
+            logits = graphs.run(ids_t, pos_t, slots_t, tables_t, lens_t)
+        else:
+            ctx = AttnContext(
+                slot_mapping=slots_t, seqs=[],
+                paged_decode=PagedDecode(tables_t, lens_t, page_size),
+            )
+            logits = self.model.logits(self.model(ids_t, pos_t, self.kv_cache.kv, ctx))
+        sampled_index = [i for i, needed in enumerate(needs_logits) if needed]
+        if len(sampled_index) != len(batch):
+            logits = logits[sampled_index]
         return RunResult(logits, sampled_index)
 
     def _slots(self, block_table: list[int], num_positions: int) -> torch.Tensor:
@@ -72,3 +157,9 @@ class ModelRunner:
         table = torch.tensor(block_table, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_positions, dtype=torch.int64, device=self.device)
         return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+def _is_pure_decode(batch: list[ScheduledSeq]) -> bool:
+    return bool(batch) and all(
+        item.num_tokens == 1 and item.seq.num_computed_tokens > 0 for item in batch
+    )

@@ -27,6 +27,18 @@ def is_greedy(params: SamplingParams) -> bool:
     return params.temperature <= GREEDY_TEMPERATURE
 
 
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that changes or reports the distribution: the argmax of the raw
+    logits is the token, so it can be taken on the device for a whole batch at once."""
+    return (
+        is_greedy(params)
+        and not params.logit_bias
+        and params.frequency_penalty == 0.0
+        and params.presence_penalty == 0.0
+        and not params.logprobs
+    )
+
+
 def apply_penalties(
     logits: torch.Tensor, params: SamplingParams, output_token_ids: Sequence[int]
 ) -> torch.Tensor:

@@ -90,8 +90,10 @@ class Scheduler:
             num_tokens = min(num_tokens, budget)
             if num_tokens == 0:
                 return budget
-        scheduled_seqs = {id(s.seq) for s in out.scheduled}
+        scheduled_seqs: set[int] | None = None  # built only when pages run out (O(B) each)
         while not self._ensure_pages(seq, num_tokens):
+            if scheduled_seqs is None:
+                scheduled_seqs = {id(s.seq) for s in out.scheduled}
             victim = self._pick_victim(exclude=seq, scheduled=scheduled_seqs)
             if victim is None:
                 if out.scheduled:
