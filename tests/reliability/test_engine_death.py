@@ -1,0 +1,133 @@
+"""Engine death mid-stream: a decode shim killed with SIGKILL while requests stream through
+the router. Requests it held that had no token yet are retried on the other decode engine;
+requests that had streamed tokens are resumed there from prompt + tokens already sent, and at
+temperature 0 every client's final tokens equal the no-fault reference. When no decode engine
+is left, streaming requests end promptly with UNAVAILABLE. Nothing hangs.
+
+Stack: one prefill and two decode shims (processes), the router (process, disagg) and a
+Router.Generate client per request."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from stack_procs import (
+    Service,
+    Tracked,
+    engine_health,
+    engine_status,
+    greedy,
+    start_router,
+    start_shims,
+    stop_all,
+    track,
+    wait_until,
+)
+
+from microserving.transport import TransportSettings, create_channel
+from microserving.v1 import router_pb2, router_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+MAX_TOKENS = 64
+PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(6)]
+# Wave A streams before the fault, wave B arrives while the doomed engine is frozen.
+WAVE_A, WAVE_B = PROMPTS[:3], PROMPTS[3:]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
+    logs: Path = tmp_path_factory.mktemp("engine-death")
+    prefill, decode_a, decode_b = start_shims(logs, ["prefill", "decode", "decode"])
+    # Long health interval: only failed calls take the killed engine out of rotation.
+    router = start_router(
+        logs, [f"{prefill.address}=prefill", f"{decode_a.address}=decode", f"{decode_b.address}=decode"],
+        "--pattern", "disagg", "--health-interval-s", "60", "--inter-token-timeout-s", "20",
+    )
+    services = {"prefill": prefill, "doomed": decode_a, "survivor": decode_b, "router": router}
+    yield services
+    stop_all(services.values())
+
+
+def _request(i: int, prompt: str) -> router_pb2.NewRequest:
+    return router_pb2.NewRequest(request_id=f"r{i}", text=prompt, sampling=greedy(MAX_TOKENS))
+
+
+async def _run_all(stub: router_pb2_grpc.RouterStub, prompts: list[str], offset: int = 0) -> list[Tracked]:
+    records = [Tracked(f"r{offset + i}", []) for i in range(len(prompts))]
+    await asyncio.gather(*(track(stub, _request(offset + i, p), r) for i, (p, r) in enumerate(zip(prompts, records, strict=False))))
+    return records
+
+
+async def test_killed_decode_engine_requests_are_retried_or_resumed_token_exact(stack) -> None:
+    router, doomed = stack["router"], stack["doomed"]
+    async with create_channel(router.address, TransportSettings()) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        reference = await _run_all(stub, PROMPTS)
+        assert all(r.error is None and len(r.token_ids) == MAX_TOKENS for r in reference), reference
+
+        wave_a = [Tracked(f"a{i}", []) for i in range(len(WAVE_A))]
+        tasks = [asyncio.ensure_future(track(stub, _request(i, p), r)) for i, (p, r) in enumerate(zip(WAVE_A, wave_a, strict=False))]
+
+        async def all_streaming() -> bool:
+            return all(len(r.token_ids) >= 2 for r in wave_a)
+
+        assert await wait_until(all_streaming, 60) is not None
+        doomed.pause()  # its requests stop streaming; the others carry on
+        wave_b = [Tracked(f"b{i}", []) for i in range(len(WAVE_B))]
+        tasks += [asyncio.ensure_future(track(stub, _request(len(WAVE_A) + i, p), r))
+                  for i, (p, r) in enumerate(zip(WAVE_B, wave_b, strict=False))]
+        await asyncio.sleep(1.0)
+        killed_at = time.monotonic()
+        doomed.kill()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+
+    records = [*wave_a, *wave_b]
+    for record, want in zip(records, reference, strict=True):
+        assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
+        assert record.token_ids == want.token_ids, record.request_id  # no duplicated or lost text
+        assert record.text == want.text
+        assert doomed.address not in record.done.engines
+    # The router says which requests it moved: "resuming" (tokens streamed) or "retrying".
+    log = router.log()
+    resumed = set(re.findall(r"resuming (r\d+) elsewhere after \S+ on " + re.escape(doomed.address), log))
+    retried = set(re.findall(r"retrying (r\d+) elsewhere after \S+ on " + re.escape(doomed.address), log))
+    assert resumed, "no streaming request was on the killed engine"
+    assert retried, "no request without tokens was on the killed engine"
+    worst_s = max(r.ended_at_s for r in records) - killed_at
+    print(f"\nengine death: {len(records)} requests survived ({len(resumed)} resumed after streaming, "
+          f"{len(retried)} with no token yet retried); all done {worst_s:.2f} s after the kill")
+    health = await engine_health(router.address)
+    assert health[doomed.address] == router_pb2.ENGINE_HEALTH_UNREACHABLE
+    survivor = await engine_status(stack["survivor"].address)
+    assert survivor.num_reserved_requests == 0
+
+
+async def test_streams_end_promptly_with_unavailable_when_no_decode_engine_is_left(stack) -> None:
+    router, survivor = stack["router"], stack["survivor"]
+    stack["doomed"].kill()  # dead already when the test above ran
+    async with create_channel(router.address, TransportSettings()) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        records = [Tracked(f"last{i}", []) for i in range(3)]
+        tasks = [asyncio.ensure_future(track(stub, _request(100 + i, p), r))
+                 for i, (p, r) in enumerate(zip(PROMPTS, records, strict=False))]
+
+        async def streaming() -> bool:
+            return all(len(r.token_ids) > 0 for r in records)
+
+        assert await wait_until(streaming, 60) is not None
+        survivor.kill()
+        killed_at = time.monotonic()
+        await asyncio.wait_for(asyncio.gather(*tasks), timeout=30)
+    for record in records:
+        assert record.error is not None, record
+        assert record.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+        assert "Traceback" not in record.error.message
+        assert record.ended_at_s - killed_at < 5.0
+        assert 0 < len(record.token_ids) < MAX_TOKENS
