@@ -35,8 +35,8 @@ def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
     if name == "round-robin":
         return round_robin
     if name == "disagg":
-        if not router.registry.has_available(PREFILL):
-            raise InvalidRequestError("disagg needs a prefill engine; none is available", param="hints.pattern")
+        # With no prefill engine in rotation (all died or stall) disagg degrades to the decode
+        # engine alone rather than failing requests a decode engine can serve.
         return disagg
     return adaptive_disagg
 
