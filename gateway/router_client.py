@@ -42,7 +42,16 @@ class GenerateStream:
     async def start(self, requests: Sequence[router_pb2.NewRequest]) -> None:
         for request in requests:
             self._open_ids.add(request.request_id)
-            await self._call.write(router_pb2.GenerateRequest(generate=request))
+            try:
+                await self._call.write(router_pb2.GenerateRequest(generate=request))
+            except aio.AioRpcError as error:
+                # The router reports request errors in-band, so a write that fails with
+                # INTERNAL is grpc core's "Internal error from Core": the connection broke
+                # (router killed or restarting) and the client should retry: UNAVAILABLE.
+                if error.code() is not grpc.StatusCode.INTERNAL:
+                    raise
+                raise aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, aio.Metadata(), aio.Metadata(),
+                                      "the router connection broke") from None
         # No half-close here: the router cancels a stream's requests when the client side closes.
 
     async def events(self) -> AsyncIterator[router_pb2.GenerateResponse]:
