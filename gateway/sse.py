@@ -38,3 +38,30 @@ def parse_events(body: bytes) -> list[Any]:
         data = block[len("data: "):]
         payloads.append(data if data == "[DONE]" else json.loads(data))
     return payloads
+
+
+class ChunkTemplate:
+    """Fast framing of the one streamed chunk shape that dominates a stream: one choice, no
+    logprobs. The constant parts are rendered once by pydantic from `prototype` (a chunk whose
+    choice text and finish_reason are the markers below); each event then splices in the JSON
+    of the index, text and finish reason. Equal to `encode_event(model)` (tested)."""
+
+    INDEX_MARKER = 987654321
+    TEXT_MARKER = "\x00text\x00"
+
+    def __init__(self, prototype: BaseModel) -> None:
+        rendered = encode_event(prototype)
+        index_json = str(self.INDEX_MARKER).encode()
+        text_json = json.dumps(self.TEXT_MARKER, separators=(",", ":")).encode()
+        head, rest = rendered.split(index_json)
+        middle, tail = rest.split(text_json)
+        self._head, self._middle = head, middle
+        reason_key = b'"finish_reason":null'
+        reason_at = tail.index(reason_key) + len(reason_key) - len(b"null")
+        self._before_reason, self._after_reason = tail[:reason_at], tail[reason_at + 4:]
+
+    def encode(self, index: int, text: str, finish_reason: str | None) -> bytes:
+        reason = b"null" if finish_reason is None else b'"' + finish_reason.encode() + b'"'
+        return b"".join((self._head, str(index).encode(), self._middle,
+                         json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode(),
+                         self._before_reason, reason, self._after_reason))

@@ -83,7 +83,7 @@ class GenerationServing(ABC, Generic[RequestT]):
 
     @abstractmethod
     def stream(self, request: RequestT, response_id: str,
-               events: RouterEvents) -> AsyncIterator[BaseModel]:
+               events: RouterEvents) -> AsyncIterator[BaseModel | bytes]:
         """The chunks of a streaming request, usage chunk included when asked for."""
 
     def model_name(self, request: RequestT) -> str:
@@ -125,10 +125,10 @@ class GenerationServing(ABC, Generic[RequestT]):
         chunks = self.stream(request, response_id, _prepend(first, events))
         return RelayResponse(self._sse(chunks), on_close=cleanup, media_type="text/event-stream")
 
-    async def _sse(self, chunks: AsyncIterator[BaseModel]) -> AsyncIterator[bytes]:
+    async def _sse(self, chunks: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[bytes]:
         try:
-            async for chunk in chunks:
-                yield encode_event(chunk)
+            async for chunk in chunks:  # bytes: already framed by a ChunkTemplate
+                yield chunk if isinstance(chunk, bytes) else encode_event(chunk)
         except GatewayError as error:
             self.context.on_error(error)
             yield encode_event(error.body())

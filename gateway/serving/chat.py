@@ -20,6 +20,7 @@ from gateway.protocol.chat import (
 )
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, UsageTotals
+from gateway.sse import ChunkTemplate
 from microserving.v1 import common_pb2, router_pb2
 
 
@@ -63,7 +64,7 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
                                       choices=choices, usage=usage_model(usage))
 
     async def stream(self, request: ChatCompletionRequest, response_id: str,
-                     events: RouterEvents) -> AsyncIterator[ChatCompletionChunk]:
+                     events: RouterEvents) -> AsyncIterator[ChatCompletionChunk | bytes]:
         created = int(time.time())
         model = self.model_name(request)
 
@@ -71,10 +72,14 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
             return ChatCompletionChunk(id=response_id, created=created, model=model,
                                        choices=choices)
 
+        template = ChunkTemplate(chunk([ChatChunkChoice(
+            index=ChunkTemplate.INDEX_MARKER, delta=ChatDelta(content=ChunkTemplate.TEXT_MARKER))]))
         for index in range(request.n):
             yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
         async for event in events:
-            if isinstance(event, DeltaEvent):
+            if isinstance(event, DeltaEvent) and not request.logprobs:
+                yield template.encode(event.index, event.text, event.finish_reason)
+            elif isinstance(event, DeltaEvent):
                 logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs)) \
                     if request.logprobs else None
                 yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text),

@@ -15,6 +15,7 @@ from gateway.protocol.completion import (
 )
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, PromptEvent, UsageTotals
+from gateway.sse import ChunkTemplate
 from microserving.v1 import common_pb2, router_pb2
 
 
@@ -79,7 +80,7 @@ class CompletionServing(GenerationServing[CompletionRequest]):
         return range(prompt_index * request.n, (prompt_index + 1) * request.n)
 
     async def stream(self, request: CompletionRequest, response_id: str,
-                     events: RouterEvents) -> AsyncIterator[CompletionResponse]:
+                     events: RouterEvents) -> AsyncIterator[CompletionResponse | bytes]:
         created = int(time.time())
         model = self.model_name(request)
         builders = [_LogprobsBuilder() for _ in range(self._choice_count(request))]
@@ -88,13 +89,18 @@ class CompletionServing(GenerationServing[CompletionRequest]):
         def chunk(choices: list[CompletionChoice]) -> CompletionResponse:
             return CompletionResponse(id=response_id, created=created, model=model, choices=choices)
 
+        template = ChunkTemplate(chunk([CompletionChoice(index=ChunkTemplate.INDEX_MARKER,
+                                                         text=ChunkTemplate.TEXT_MARKER)]))
+
         async for event in events:
             if isinstance(event, PromptEvent):
                 for index in self._choices_of(request, event.prompt_index):
                     builders[index].add_prompt(event.text)
                     yield chunk([CompletionChoice(index=index, text=event.text)])
+            elif isinstance(event, DeltaEvent) and not with_logprobs:
+                yield template.encode(event.index, event.text, event.finish_reason)
             elif isinstance(event, DeltaEvent):
-                logprobs = builders[event.index].add(event.logprobs) if with_logprobs else None
+                logprobs = builders[event.index].add(event.logprobs)
                 yield chunk([CompletionChoice(index=event.index, text=event.text,
                                               logprobs=logprobs,
                                               finish_reason=event.finish_reason)])  # type: ignore[arg-type]

@@ -107,7 +107,8 @@ class RelayState:
         if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished.add(index)
             reason = finish_reason_text(delta.finish_reason)
-        return [DeltaEvent(index, delta.text, list(delta.token_ids), list(delta.logprobs), reason)]
+        # The message's repeated fields are read in place (no copies on the hot path).
+        return [DeltaEvent(index, delta.text, delta.token_ids, delta.logprobs, reason)]
 
     def _done(self, prompt_index: int, done: router_pb2.RequestDone) -> list[Event]:
         self.usage.add(done.usage)

@@ -162,3 +162,27 @@ def test_settings_read_keys_from_env_and_reject_unknown_variables(
     assert "key-one" not in repr(settings)
     with pytest.raises(ValueError, match="MICROSERVING_GATEWAY_TYPO"):
         reject_unknown_env({"MICROSERVING_GATEWAY_TYPO": "1"})
+
+
+@pytest.mark.parametrize("text", ["x", "", 'quote " and \\ backslash', "é ü 你好 🙂", "\n\t\x00"])
+@pytest.mark.parametrize("reason", [None, "stop", "length"])
+def test_chunk_template_renders_exactly_what_pydantic_renders(text: str,
+                                                              reason: str | None) -> None:
+    from gateway.protocol.chat import ChatChunkChoice, ChatCompletionChunk, ChatDelta
+    from gateway.protocol.completion import CompletionChoice, CompletionResponse
+    from gateway.sse import ChunkTemplate
+
+    def completion(index: int, text: str, reason: str | None) -> CompletionResponse:
+        return CompletionResponse(id="cmpl-1", created=5, model="m", choices=[
+            CompletionChoice(index=index, text=text, finish_reason=reason)])  # type: ignore[arg-type]
+
+    def chat(index: int, text: str, reason: str | None) -> ChatCompletionChunk:
+        return ChatCompletionChunk(id="chat-1", created=5, model="m", choices=[ChatChunkChoice(
+            index=index, delta=ChatDelta(content=text), finish_reason=reason)])  # type: ignore[arg-type]
+
+    for build in (completion, chat):
+        template = ChunkTemplate(build(ChunkTemplate.INDEX_MARKER, ChunkTemplate.TEXT_MARKER, None))
+        fast = template.encode(3, text, reason)
+        assert parse_events(fast) == parse_events(encode_event(build(3, text, reason)))
+        if text.isascii() and "\x00" not in text:
+            assert fast == encode_event(build(3, text, reason))
