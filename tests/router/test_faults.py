@@ -30,13 +30,13 @@ pytestmark = pytest.mark.integration
 
 @pytest.fixture(scope="module")
 def own_shims() -> Iterator[list[Shim]]:
-    started = start_shims(["prefill", "decode", "decode"])
+    started = start_shims(["prefill", "decode", "decode", "both"])
     yield started
     kill_all(started)
 
 
 async def test_killed_decode_shim_before_first_token_is_retried_elsewhere(own_shims) -> None:
-    prefill, doomed, healthy = own_shims
+    prefill, doomed, healthy, _ = own_shims
     engines = [f"{prefill.address}=prefill", f"{doomed.address}=decode", f"{healthy.address}=decode"]
     # A long health interval: only the failed call (not a health probe) can take it out.
     router = Router(settings=router_settings(engines, pattern="disagg", health_interval_s=120))
@@ -65,6 +65,33 @@ async def test_killed_decode_shim_before_first_token_is_retried_elsewhere(own_sh
     health = {e.address: e.health for e in status.engines}
     assert health[doomed.address] == router_pb2.ENGINE_HEALTH_UNREACHABLE
     assert health[healthy.address] == router_pb2.ENGINE_HEALTH_SERVING
+
+
+async def test_stalled_engine_leaves_rotation_at_its_deadline_and_returns_when_healthy(own_shims) -> None:
+    healthy, stalled = own_shims[2], own_shims[3]
+    engines = [f"{healthy.address}=both", f"{stalled.address}=both"]
+    settings = router_settings(engines, pattern="round-robin", first_token_timeout_s=3.0,
+                               health_interval_s=6.0, health_timeout_s=1.0)  # only the deadline can catch it first
+    router = Router(settings=settings)
+    async with running_router(router) as (_, stub):
+        stalled.stop()
+        try:
+            results = await generate(stub, *(
+                router_pb2.NewRequest(request_id=str(i), text=f"stall {i}", sampling=greedy()) for i in range(2)
+            ))
+            status = await stub.GetStatus(router_pb2.RouterGetStatusRequest())
+        finally:
+            stalled.resume()
+        endpoint = router.registry.get(stalled.address)
+        assert endpoint is not None
+
+        async def back_in_rotation() -> bool:
+            return endpoint.is_available
+
+        assert await wait_for(back_in_rotation, timeout_s=20)
+    assert all(r.error is None and list(r.done.engines) == [healthy.address] for r in results.values())
+    health = {e.address: e.health for e in status.engines}
+    assert health[stalled.address] == router_pb2.ENGINE_HEALTH_UNREACHABLE
 
 
 async def test_request_fails_cleanly_when_no_engine_is_left(own_shims) -> None:
