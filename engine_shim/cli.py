@@ -18,7 +18,7 @@ logger = logging.getLogger("engine_shim")
 # flag -> settings field; flags left out fall back to the environment, then the defaults.
 _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--backend", str, "embedded | mlc"),
-    ("--model", str, "model preset (tiny, llama-100m) or local Hugging Face directory"),
+    ("--model", str, "model preset (tiny, llama-100m, llama-1b) or local Hugging Face directory"),
     ("--host", str, "interface to bind (default 127.0.0.1)"),
     ("--port", int, "gRPC port; 0 picks a free one (the bound port is printed)"),
     ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),
@@ -28,6 +28,10 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--page-size", int, "tokens per KV page (embedded)"),
     ("--num-pages", int, "KV pages in the pool (embedded)"),
     ("--kv-cache-memory-mb", int, "KV pool budget when --num-pages is not given"),
+    ("--max-num-seqs", int, "sequences one engine step runs at most (embedded)"),
+    ("--prefill-chunk-size", int, "prompt tokens one engine step computes (embedded)"),
+    ("--enable-prefix-cache", str, "true | false: reuse KV of shared prompt prefixes (embedded)"),
+    ("--cuda-graphs", str, "true | false: replay CUDA graphs for decode steps (embedded, CUDA)"),
     ("--reservation-ttl-s", float, "seconds a PrepRecv reservation waits for its StartGenerate"),
     ("--mlc-url", str, "base URL of a running MLC-LLM server (mlc backend)"),
     ("--mlc-model-lib", str, "model lib: start `mlc_llm serve` when no --mlc-url is given"),

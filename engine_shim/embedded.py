@@ -36,6 +36,10 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
         num_pages=settings.num_pages,
         kv_cache_memory_mb=settings.kv_cache_memory_mb,
         reservation_ttl_s=settings.reservation_ttl_s,
+        max_num_seqs=settings.max_num_seqs,
+        prefill_chunk_size=settings.prefill_chunk_size,
+        enable_prefix_cache=settings.enable_prefix_cache,
+        cuda_graphs=settings.cuda_graphs,
     )
 
 

@@ -38,6 +38,12 @@ class ShimSettings(BaseSettings):
         None, ge=1, description="KV pages in the pool (embedded); default from memory budget."
     )
     kv_cache_memory_mb: int = Field(256, ge=1, description="KV pool budget when num_pages unset.")
+    max_num_seqs: int = Field(64, ge=1, description="Sequences one engine step runs at most.")
+    prefill_chunk_size: int = Field(
+        512, ge=1, description="Prompt tokens one engine step computes, over all sequences."
+    )
+    enable_prefix_cache: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
+    cuda_graphs: bool = Field(True, description="Replay captured CUDA graphs for decode steps.")
     reservation_ttl_s: float = Field(
         30.0, gt=0, description="PrepRecv reservations not followed up are reclaimed after this."
     )
