@@ -19,7 +19,7 @@ import sys
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from bench.control_plane_report import report
 from bench.control_plane_run import (
@@ -46,6 +46,7 @@ class ControlPlaneConfig:
     concurrencies: tuple[int, ...] = (1, 64, 256)
     cell: CellShape = field(default_factory=CellShape)
     echo_calls: int = 2000
+    rounds: int = 1
     shim_args: tuple[str, ...] = ()
     startup_timeout_s: float = 300.0
 
@@ -103,10 +104,12 @@ async def measure_pattern(group: ServiceGroup, config: ControlPlaneConfig, patte
     channels = [create_channel(address, TransportSettings()) for address in addresses]
     cells: list[dict[str, Any]] = []
     try:
-        stubs = [engine_pb2_grpc.EngineStub(ch) for ch in channels[:2]]
+        stubs = [cast("engine_pb2_grpc.EngineAsyncStub", engine_pb2_grpc.EngineStub(ch))
+                 for ch in channels[:2]]
         flow = (DirectFlow(engines=stubs) if pattern == "round-robin"
                 else DirectFlow(engines=[stubs[1]], prefill=stubs[0]))
-        router_stub = router_pb2_grpc.RouterStub(channels[2]) if stack else None
+        router_stub = (cast("router_pb2_grpc.RouterAsyncStub", router_pb2_grpc.RouterStub(channels[2]))
+                       if stack else None)
 
         async def direct(ids: list[int], n: int, i: int, record: Any, origin: float) -> None:
             await run_direct(flow, ids, n, i, record, origin)
@@ -115,16 +118,22 @@ async def measure_pattern(group: ServiceGroup, config: ControlPlaneConfig, patte
             assert router_stub is not None  # only called when the stack started
             await run_router(router_stub, ids, n, record, origin)
 
+        runs = {"direct": direct, "router": via_router, "gateway": None}
+        depths = list(runs) if stack is not None else ["direct"]
         for c in config.concurrencies:
             salt = zlib.crc32(f"{pattern}/{c}".encode()) & 0xFFFF
-            summary = await grpc_cell(direct, c, config.cell, salt)
-            cells.append(_cell(pattern, "direct", c, summary, flow.num_engine_calls))
-            if stack is not None:
-                summary = await grpc_cell(via_router, c, config.cell, salt)
-                cells.append(_cell(pattern, "router", c, summary, flow.num_engine_calls))
-                summary = await http_cell(f"http://{stack[1].address}/v1", "", c, config.cell,
-                                          salt)
-                cells.append(_cell(pattern, "gateway", c, summary, flow.num_engine_calls))
+            for round_ in range(config.rounds):
+                # Depths interleaved, in a rotated order each round, so a change in the
+                # machine's background load spreads over all of them.
+                for depth in depths[round_ % len(depths):] + depths[: round_ % len(depths)]:
+                    run = runs[depth]
+                    if run is None:
+                        assert stack is not None  # the gateway depth exists only with a stack
+                        summary = await http_cell(f"http://{stack[1].address}/v1", "", c,
+                                                  config.cell, salt + round_)
+                    else:
+                        summary = await grpc_cell(run, c, config.cell, salt + round_)
+                    cells.append(_cell(pattern, depth, c, summary, flow.num_engine_calls))
             print(f"  {pattern} @ {c}: done", flush=True)
     finally:
         for channel in channels:
@@ -164,13 +173,15 @@ def parse_args(argv: list[str]) -> tuple[ControlPlaneConfig, Path]:
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     p.add_argument("--requests-per-stream", type=int, default=2)
     p.add_argument("--min-requests", type=int, default=16)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="repeat every cell, depths interleaved; tables show medians")
     p.add_argument("--shim-arg", action="append", default=[], help="extra flag for each shim")
     p.add_argument("--out", type=Path, required=True, help="directory for JSON, table and plot")
     args = p.parse_args(argv)
     cell = CellShape(args.prompt_len, args.output_len, args.requests_per_stream, args.min_requests)
     config = ControlPlaneConfig(model=args.model, patterns=tuple(args.patterns),
                                 concurrencies=tuple(args.concurrency), cell=cell,
-                                shim_args=tuple(args.shim_arg))
+                                shim_args=tuple(args.shim_arg), rounds=args.rounds)
     return config, args.out
 
 

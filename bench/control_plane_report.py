@@ -4,6 +4,7 @@ the router adds < 1.5 raw gRPC round trips per engine call to the first token, a
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,17 @@ def _p50(summary: dict[str, Any], metric: str = "ttft_s") -> float | None:
     return None if not figures else float(figures["p50"])
 
 
-def _index(result: dict[str, Any]) -> dict[tuple[str, int, str], dict[str, Any]]:
-    return {(c["pattern"], c["concurrency"], c["depth"]): c for c in result["cells"]}
+def _index(result: dict[str, Any]) -> dict[tuple[str, int, str], list[dict[str, Any]]]:
+    """Cells by (pattern, concurrency, depth): one per round."""
+    index: dict[tuple[str, int, str], list[dict[str, Any]]] = {}
+    for cell in result["cells"]:
+        index.setdefault((cell["pattern"], cell["concurrency"], cell["depth"]), []).append(cell)
+    return index
+
+
+def _median_of(cells: list[dict[str, Any]], pick: Any) -> float | None:
+    values = [v for v in (pick(c["summary"]) for c in cells) if v is not None]
+    return statistics.median(values) if values else None
 
 
 def _ratio(numerator: float | None, denominator: float | None) -> float | None:
@@ -39,7 +49,8 @@ def _minus(a: float | None, b: float | None) -> float | None:
 
 
 def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """One row per pattern and concurrency: TTFT p50 per depth, added latency, relay ratios.
+    """One row per pattern and concurrency: TTFT p50 per depth, added latency, relay ratios
+    (medians over rounds).
     A depth that was not measured (its service failed to start) shows as None."""
     cells = _index(result)
     rtt_s = result["floors"]["echo_rtt_s"][str(min(result["config"]["concurrencies"]))]["p50"]
@@ -49,10 +60,10 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
             found = {d: cells[(pattern, c, d)] for d in DEPTHS if (pattern, c, d) in cells}
             if "direct" not in found:
                 continue
-            ttft = {d: _p50(found[d]["summary"]) if d in found else None for d in DEPTHS}
-            rate = {d: found[d]["summary"]["output_tokens_per_s"] if d in found else None
-                    for d in DEPTHS}
-            calls = found["direct"]["num_engine_calls"]
+            ttft = {d: _median_of(found[d], _p50) if d in found else None for d in DEPTHS}
+            rate = {d: _median_of(found[d], lambda s: s["output_tokens_per_s"])
+                    if d in found else None for d in DEPTHS}
+            calls = found["direct"][0]["num_engine_calls"]
             added = _minus(ttft["router"], ttft["direct"])
             out.append({
                 "pattern": pattern, "concurrency": c, "ttft_p50_s": ttft, "tokens_per_s": rate,
@@ -61,7 +72,7 @@ def rows(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "gateway_added_ttft_s": _minus(ttft["gateway"], ttft["router"]),
                 "router_relay_ratio": _ratio(rate["router"], rate["direct"]),
                 "gateway_relay_ratio": _ratio(rate["gateway"], rate["direct"]),
-                "errors": sum(cell["summary"]["num_errors"] for cell in found.values()),
+                "errors": sum(c["summary"]["num_errors"] for cells_ in found.values() for c in cells_),
             })
     return out
 
