@@ -40,6 +40,7 @@ class StackPlan:
     grace_s: float
     transport: TransportSettings = TransportSettings()  # every gRPC hop of the stack
     router_args: tuple[str, ...] = ()
+    api_keys: tuple[str, ...] = ()  # handed to the gateway in its environment, never in argv
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -92,8 +93,6 @@ def plan_from_args(argv: list[str]) -> StackPlan:
             parser.error(f"--pattern {pattern} needs at least one prefill engine")
         roles = ("prefill",) * num_prefill + ("decode",) * num_decode
     gateway_args: list[str] = []
-    for key in args.api_key:
-        gateway_args += ["--api-key", key]
     if args.max_inflight is not None:
         gateway_args += ["--max-inflight", str(args.max_inflight)]
     router_extra: tuple[str, ...] = ()
@@ -107,7 +106,7 @@ def plan_from_args(argv: list[str]) -> StackPlan:
                                   tls_server_name=args.tls_server_name)
     return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
-                     args.grace_s, transport, router_extra)
+                     args.grace_s, transport, router_extra, tuple(args.api_key))
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
@@ -165,6 +164,8 @@ class Stack:
 
     def spawn(self, name: str, argv: list[str], env_prefix: str) -> ManagedProcess:
         env = transport_env(env_prefix, self.plan.transport)
+        if env_prefix == "GATEWAY" and self.plan.api_keys:
+            env["MICROSERVING_GATEWAY_API_KEYS"] = ",".join(self.plan.api_keys)
         child = ManagedProcess(name, argv, self._on_exit, env=env)
         self.children.append(child)
         _say(f"started {name} (pid {child.pid}): {' '.join(argv[1:])}")

@@ -74,6 +74,10 @@ async def test_unknown_model_is_404_even_when_streaming(gateway: RunningGateway,
     reply = await post(gateway, {"model": "nope", "prompt": "ab", "stream": stream})
     assert reply.status_code == 404
     assert error_of(reply)["code"] == "model_not_found"
+    async with httpx.AsyncClient(base_url=gateway.base_url) as http:
+        metrics = (await http.get("/metrics")).text
+    assert 'microserving_gateway_errors_total{code="model_not_found"} 1.0' in metrics
+    assert 'endpoint="/v1/completions",status="404"} 1.0' in metrics
 
 
 async def test_prompt_over_the_context_length_is_413(gateway: RunningGateway) -> None:
