@@ -131,11 +131,11 @@ def render(error: GatewayError) -> JSONResponse:
 
 
 def _http_kind(status: int) -> ErrorKind:
-    kinds = (INVALID, UNAUTHENTICATED, NOT_FOUND, TOO_LONG, OVERLOADED, UNAVAILABLE)
-    for kind in kinds:
-        if kind.status == status:
-            return kind
-    return ErrorKind(status, "invalid_request_error", "http_error") if status < 500 else INTERNAL
+    """Starlette's own HTTP errors (unknown route 404, wrong method 405, ...)."""
+    if status >= 500:
+        return INTERNAL
+    return ErrorKind(status, "not_found_error" if status == 404 else "invalid_request_error",
+                     "not_found" if status == 404 else "http_error")
 
 
 def install_error_handlers(app: FastAPI, on_error: Callable[[GatewayError], None]) -> None:

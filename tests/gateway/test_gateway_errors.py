@@ -186,3 +186,13 @@ async def test_gateway_reconnects_when_the_router_restarts(fake_router: FakeRout
                 await asyncio.sleep(0.1)
     finally:
         await gateway.stop()
+
+
+async def test_unknown_route_and_wrong_method_get_openai_error_bodies(
+        gateway: RunningGateway) -> None:
+    async with httpx.AsyncClient(base_url=gateway.base_url) as http:
+        missing = await http.get("/v1/nothing-here")
+        wrong = await http.get("/v1/completions")
+    assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
+    assert wrong.status_code == 405
+    error_of(wrong)
