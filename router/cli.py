@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import logging
 import sys
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pydantic import ValidationError
@@ -50,6 +51,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _loop_runner(event_loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """asyncio.run, on uvloop when asked for (or, with 'auto', when it is installed)."""
+    if event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if event_loop == "uvloop":
+                raise
+        else:
+            return uvloop.run
+    return asyncio.run
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -68,5 +82,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"microserving router: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_forever(router, settings.host, settings.port))
+        _loop_runner(settings.event_loop)(serve_forever(router, settings.host, settings.port))
     return 0

@@ -50,6 +50,9 @@ class RouterSettings(BaseSettings):
     host: str = Field(default="127.0.0.1", description="Address to bind.")
     port: int = Field(default=50051, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
 
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        default="auto", description="Event loop: uvloop when installed ('auto'), or force one."
+    )
     health_interval_s: float = Field(default=1.0, gt=0, description="Seconds between health/status polls per engine.")
     health_timeout_s: float = Field(default=2.0, gt=0, description="Deadline of one health check or GetStatus.")
     dns_interval_s: float = Field(default=5.0, gt=0, description="Seconds between DNS re-resolutions.")
