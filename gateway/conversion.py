@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gateway.errors import INVALID, GatewayError
-from gateway.protocol.base import PatternHintsParam, SamplingFields
+from gateway.protocol.base import INT32_MAX, PatternHintsParam, SamplingFields
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completion import CompletionRequest
 from microserving.v1 import common_pb2, router_pb2
@@ -35,7 +35,7 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
         except ValueError:
             raise GatewayError(INVALID, f"logit_bias: key {key!r} is not a token id",
                                "logit_bias") from None
-        if token_id < 0 or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+        if not 0 <= token_id <= INT32_MAX or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
             raise GatewayError(INVALID, "logit_bias: token ids >= 0, biases in [-100, 100]",
                                "logit_bias")
         result[token_id] = value

@@ -7,17 +7,48 @@ ignored, so a silently dropped option is at least visible in the gateway's log.
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 logger = logging.getLogger(__name__)
+
+# The wire (proto) types behind the numbers: larger values must be a 400, not an overflow.
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _first_invalid_string(value: Any) -> str | None:
+    """A string (or key) in a parsed JSON value that is not valid Unicode (a lone surrogate
+    escape such as "\\ud800"), else None. Iterative: JSON may nest deeply."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return item
+        elif isinstance(item, dict):
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, list):
+            pending.extend(item)
+    return None
 
 
 class OpenAIBaseModel(BaseModel):
     """Accepts unknown fields and logs their names once per request."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_invalid_unicode(cls, data: Any) -> Any:
+        if _first_invalid_string(data) is not None:
+            raise ValueError("strings must be valid Unicode (no lone surrogate escapes)")
+        return data
 
     @model_validator(mode="after")
     def _log_ignored_fields(self) -> OpenAIBaseModel:
@@ -57,7 +88,7 @@ class SamplingFields(OpenAIBaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     n: int = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
@@ -65,9 +96,9 @@ class SamplingFields(OpenAIBaseModel):
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     # Extensions (documented in docs/gateway.md).
-    top_k: int = Field(default=0, ge=0)
+    top_k: int = Field(default=0, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[TokenId] | None = None
     microserving: PatternHintsParam | None = None
 
     @model_validator(mode="after")

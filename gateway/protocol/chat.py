@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from gateway.protocol.base import OpenAIBaseModel, SamplingFields, StrictModel, Usage
+from gateway.protocol.base import INT32_MAX, OpenAIBaseModel, SamplingFields, StrictModel, Usage
 
 
 class ContentPart(OpenAIBaseModel):
@@ -37,8 +37,8 @@ class ChatMessageParam(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
