@@ -25,6 +25,7 @@ import torch
 from engine_shim.engine.api import SamplingParams
 from engine_shim.engine.config import EngineConfig, resolve_model_config
 from engine_shim.engine.llm_engine import LLMEngine
+from engine_shim.engine.scheduler import ScheduledSeq
 
 PROMPT_LEN = 512
 NEW_TOKENS = 128
@@ -94,19 +95,40 @@ def engine_decode(engine: LLMEngine, batch: int) -> float:
     sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, PROMPT_LEN, engine.vocab_size, seed=batch)):
         engine.add_request(f"decode-{batch}-{i}", prompt, sampling)
-    num_started = 0
-    while num_started < batch:  # prefill (chunked) until every sequence sampled once
+    started: set[str] = set()
+    while len(started) < batch:  # prefill (chunked) until every sequence sampled once
         for event in engine.step():
-            if getattr(event, "deltas", ()):
-                num_started += sum(1 for d in event.deltas if d.token_ids and d.index == 0)
+            if any(d.token_ids for d in getattr(event, "deltas", ())):
+                started.add(event.request_id)
     torch.cuda.synchronize()
+    forward_s = _time_forwards(engine)
     start = time.perf_counter()
-    num_tokens = 0
+    num_tokens = num_steps = 0
     while engine.has_work:
+        num_steps += 1
         for event in engine.step():
             num_tokens += sum(len(d.token_ids) for d in getattr(event, "deltas", ()))
     torch.cuda.synchronize()
-    return num_tokens / (time.perf_counter() - start)
+    elapsed = time.perf_counter() - start
+    graphs = engine.runner.graphs
+    print(f"  batch {batch}: {num_steps} steps, {elapsed / num_steps * 1e3:.2f} ms/step, "
+          f"forward (graph replay or eager, synchronised) {forward_s * 1e3:.2f} ms, "
+          f"graph replays so far {graphs.num_replays if graphs else 0}", flush=True)
+    return num_tokens / elapsed
+
+
+def _time_forwards(engine: LLMEngine, repeats: int = 20) -> float:
+    """Median time of the model's decode forward alone for the running batch (no sampling,
+    no scheduling), to split a step into device time and host overhead."""
+    batch = [ScheduledSeq(seq, 1) for seq in engine.scheduler.running]
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        engine.runner.run(batch, [False] * len(batch))
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2]
 
 
 def hf_model(engine: LLMEngine) -> Any:
@@ -186,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     mc = resolve_model_config(args.model)
     print(f"model {args.model}: {mc.num_parameters / 1e9:.2f}B parameters", flush=True)
     engine = new_engine(args.model, max(batches))
+    graphs = engine.runner.graphs
+    print(f"decode: triton kernel {engine.runner.use_paged_decode_kernel}, CUDA graphs for "
+          f"batches {graphs.buckets if graphs else None}", flush=True)
     figures: list[Figure] = []
     for length in lengths:
         figures.append(Figure("engine", f"prefill_{length}", 1, engine_prefill(engine, length)))

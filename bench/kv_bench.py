@@ -57,10 +57,14 @@ async def _transfer(p_stub, d_stub, request_id: str, tokens: list[int]) -> tuple
     return int(sent.num_bytes_sent), elapsed
 
 
-async def run(model: str, token_counts: list[int], num_pages: int) -> list[dict[str, object]]:
+async def run(
+    model: str, token_counts: list[int], num_pages: int, device: str = "cpu", dtype: str = "auto"
+) -> list[dict[str, object]]:
     # D without a prefix cache hit: every run receives the whole window.
-    p = ShimServer(ShimSettings(model=model, port=0, role="prefill", num_pages=num_pages, reservation_ttl_s=3600))
-    d = ShimServer(ShimSettings(model=model, port=0, role="decode", num_pages=num_pages, reservation_ttl_s=3600))
+    common = {"model": model, "port": 0, "num_pages": num_pages, "reservation_ttl_s": 3600,
+              "device": device, "dtype": dtype}
+    p = ShimServer(ShimSettings(role="prefill", **common))
+    d = ShimServer(ShimSettings(role="decode", **common))
     await p.start()
     await d.start()
     rows = []
@@ -79,6 +83,7 @@ async def run(model: str, token_counts: list[int], num_pages: int) -> list[dict[
             rows.append(
                 row := {
                     "model": model,
+                    "device": device,
                     "tokens": n,
                     "kv_mib": round(num_bytes / 2**20, 1),
                     "remote_send_with_prefill_s": round(cold_s, 3),
@@ -98,8 +103,10 @@ def main() -> None:
     parser.add_argument("--model", default="llama-100m")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     parser.add_argument("--num-pages", type=int, default=1200)
+    parser.add_argument("--device", default="cpu", help="cpu | cuda (KV moves device -> host -> device)")
+    parser.add_argument("--dtype", default="auto")
     args = parser.parse_args()
-    rows = asyncio.run(run(args.model, args.tokens, args.num_pages))
+    rows = asyncio.run(run(args.model, args.tokens, args.num_pages, args.device, args.dtype))
     print(
         json.dumps(
             {

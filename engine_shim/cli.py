@@ -24,7 +24,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),
     ("--device", str, "cpu | cuda | cuda:N (embedded)"),
     ("--role", str, "prefill | decode | both"),
-    ("--dtype", str, "float32 | bfloat16 | float16 (embedded)"),
+    ("--dtype", str, "auto | float32 | bfloat16 | float16 (embedded; auto: bf16 on CUDA)"),
     ("--page-size", int, "tokens per KV page (embedded)"),
     ("--num-pages", int, "KV pages in the pool (embedded)"),
     ("--kv-cache-memory-mb", int, "KV pool budget when --num-pages is not given"),

@@ -31,7 +31,7 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
     return EngineConfig(
         model=settings.model,
         device=settings.device,
-        dtype=settings.dtype,
+        dtype=settings.engine_dtype,
         page_size=settings.page_size,
         num_pages=settings.num_pages,
         kv_cache_memory_mb=settings.kv_cache_memory_mb,

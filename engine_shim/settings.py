@@ -30,8 +30,10 @@ class ShimSettings(BaseSettings):
     )
     device: str = Field("cpu", description="Device of the embedded engine: cpu, cuda, cuda:N.")
     role: Role = Field("both", description="Role advertised to the router.")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="KV and weight dtype of the embedded engine."
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="Weight and KV dtype of the embedded engine; auto: bfloat16 on CUDA, "
+        "float32 on the CPU.",
     )
     page_size: int = Field(16, ge=1, description="Tokens per KV page (embedded).")
     num_pages: int | None = Field(
@@ -82,3 +84,9 @@ class ShimSettings(BaseSettings):
             tls_server_name=self.tls_server_name,
             max_message_bytes=self.max_message_bytes,
         )
+
+    @property
+    def engine_dtype(self) -> str:
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"

@@ -94,12 +94,14 @@ def paged_attention(
         return _decode_attention(q, k_cache, v_cache, ctx.decode, group, scale)
     out = torch.empty_like(q)
     for seq in ctx.seqs:
-        q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)  # [Hq, q_len, D]
-        k = k_cache.index_select(0, seq.kv_slots).transpose(0, 1)  # [Hkv, ctx, D]
-        v = v_cache.index_select(0, seq.kv_slots).transpose(0, 1)
+        # 4-D [1, H, len, D] inputs: SDPA's fused (flash / memory-efficient) kernels need a
+        # batch dimension; 3-D inputs fall back to the math kernel, quadratic in memory.
+        q_seq = q[seq.q_start : seq.q_start + seq.q_len].transpose(0, 1)[None]  # [1, Hq, q_len, D]
+        k = k_cache.index_select(0, seq.kv_slots).transpose(0, 1)[None]  # [1, Hkv, ctx, D]
+        v = v_cache.index_select(0, seq.kv_slots).transpose(0, 1)[None]
         if group > 1:
-            k = k.repeat_interleave(group, dim=0)  # [Hq, ctx, D]
-            v = v.repeat_interleave(group, dim=0)
+            k = k.repeat_interleave(group, dim=1)  # [1, Hq, ctx, D]
+            v = v.repeat_interleave(group, dim=1)
         # A whole prompt at once (queries cover every key) is plain causal attention, which
         # SDPA's fused kernels run without materialising a [q_len, ctx] mask.
         is_causal = seq.q_len == seq.ctx_len > 1 and ctx.sliding_window is None
@@ -107,7 +109,7 @@ def paged_attention(
         o = F.scaled_dot_product_attention(
             q_seq, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=is_causal, scale=scale
         )
-        out[seq.q_start : seq.q_start + seq.q_len] = o.transpose(0, 1)
+        out[seq.q_start : seq.q_start + seq.q_len] = o[0].transpose(0, 1)
     return out
 
 

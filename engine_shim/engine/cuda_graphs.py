@@ -48,6 +48,7 @@ class DecodeGraphRunner:
         self.block_tables = torch.zeros(size, max_pages_per_seq, dtype=torch.int32, device=device)
         self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Captured] = {}
+        self.num_replays = 0
         self._pool: object | None = None
 
     @property
@@ -112,4 +113,5 @@ class DecodeGraphRunner:
         self._reset_padding(n)
         captured = self._graphs[bucket]
         captured.graph.replay()
+        self.num_replays += 1
         return captured.logits[:n]

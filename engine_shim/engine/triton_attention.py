@@ -96,7 +96,9 @@ def paged_decode_attention(
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
     out = torch.empty_like(q)
-    block_n = max(16, min(64, 1 << (max(page_size, 16) - 1).bit_length()))
+    # 64 positions a tile whatever the page size: each position finds its page through the
+    # block table, so tiles may span pages (fewer loop trips than one tile per page).
+    block_n = 64
     _paged_decode_kernel[(batch, num_kv_heads)](
         q, k_cache, v_cache, out, block_tables, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),

@@ -123,7 +123,9 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16() -> None:
         our_error = (o - e).abs().max().item()
         their_error = (t - e).abs().max().item()
         assert our_error <= max(2 * their_error, 0.05), (step, our_error, their_error)
-        assert int(o.argmax()) == int(e.argmax()), step
+        top2 = e.topk(2).values
+        if top2[0] - top2[1] > 2 * our_error:  # not a near-tie: the choice must agree
+            assert int(o.argmax()) == int(e.argmax()), step
 
 
 def test_cuda_graph_decode_equals_eager_decode() -> None:
