@@ -170,6 +170,43 @@ def test_disconnecting_client_stops_engine_work(stack: UpStack, client: openai.O
     pytest.fail(f"engines still busy {remaining_s / 2:.1f} s after the client left: {statuses}")
 
 
+@pytest.fixture(scope="module")
+def tokens_per_s(client: openai.OpenAI, model: str) -> float:
+    """This stack's generation rate for one request, first token included."""
+    started_s = time.monotonic()
+    reply = client.completions.create(model=model, prompt="Rate", max_tokens=200,
+                                      extra_body={"ignore_eos": True})
+    assert reply.usage is not None and reply.usage.completion_tokens == 200
+    return 200 / (time.monotonic() - started_s)
+
+
+def test_disconnecting_non_streaming_client_stops_engine_work(stack: UpStack, model: str,
+                                                              tokens_per_s: float) -> None:
+    baseline = [s.num_free_kv_pages for s in engine_statuses(stack)]
+    body = {"model": model, "prompt": "Tell me another long story", "max_tokens": 1900,
+            "ignore_eos": True}
+
+    async def start_and_hang_up() -> None:
+        headers = {"Authorization": f"Bearer {API_KEY}"}
+        async with httpx.AsyncClient(base_url=stack.base_url, timeout=60,
+                                     headers=headers) as http:
+            request = asyncio.ensure_future(http.post("/completions", json=body))
+            async with asyncio.timeout(30):
+                while is_idle_at(engine_statuses(stack), baseline):
+                    await asyncio.sleep(0.05)
+            request.cancel()  # closes the connection mid-request
+
+    asyncio.run(start_and_hang_up())
+    hung_up_s = time.monotonic()
+    # Running on, the request would need about this long; cancelled, it must stop well before.
+    bound_s = max(0.5 * body["max_tokens"] / tokens_per_s, 1.0)  # type: ignore[operator]
+    while time.monotonic() - hung_up_s < bound_s:
+        if is_idle_at(engine_statuses(stack), baseline):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"engines still busy {bound_s:.1f} s after a non-streaming client left")
+
+
 def assert_openai_error(error: openai.APIStatusError, status: int) -> dict[str, object]:
     assert error.status_code == status
     body = error.response.json()
