@@ -97,6 +97,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         except StreamError as exc:
             outbox.fail(exc)
             return
+        except Exception:  # noqa: BLE001 - e.g. a message that does not deserialize
+            # Without this the reader dies silently and the call hangs until its deadline.
+            logger.warning("Generate: unreadable request stream", exc_info=True)
+            outbox.fail(StreamError("the request stream could not be read (malformed message)"))
+            return
         if runners:
             await asyncio.gather(*runners.values(), return_exceptions=True)
         outbox.close()
