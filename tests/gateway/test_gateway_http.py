@@ -157,3 +157,50 @@ async def test_metrics_count_requests_and_tokens(gateway: RunningGateway) -> Non
     assert "microserving_gateway_completion_tokens_total 3.0" in text
     assert "microserving_gateway_time_to_first_token_seconds_count 1.0" in text
     assert "microserving_gateway_inflight_requests 0.0" in text
+
+
+async def test_streaming_several_prompts_with_n_keeps_choices_apart(
+        gateway: RunningGateway) -> None:
+    stream = await client_for(gateway).completions.create(
+        model="fake", prompt=["ab", "cde"], n=2, stream=True,
+        stream_options={"include_usage": True})
+    texts: dict[int, str] = {}
+    finishes: dict[int, int] = {}
+    usage = None
+    async for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            finishes[choice.index] = finishes.get(choice.index, 0) + (choice.finish_reason is not None)
+    assert texts == {0: "ba", 1: "ba", 2: "edc", 3: "edc"}
+    assert finishes == {0: 1, 1: 1, 2: 1, 3: 1}
+    assert usage is not None and usage.completion_tokens == 10 and usage.prompt_tokens == 5
+
+
+async def test_chat_stream_with_n_2_starts_each_choice_with_the_assistant_role(
+        gateway: RunningGateway) -> None:
+    stream = await client_for(gateway).chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "xy"}], n=2, stream=True)
+    first_delta: dict[int, object] = {}
+    texts: dict[int, str] = {}
+    async for chunk in stream:
+        for choice in chunk.choices:
+            first_delta.setdefault(choice.index, choice.delta.role)
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+    assert first_delta == {0: "assistant", 1: "assistant"}
+    assert texts == {0: "yx", 1: "yx"}
+
+
+async def test_streamed_echo_sends_the_prompt_first(gateway: RunningGateway) -> None:
+    stream = await client_for(gateway).completions.create(model="fake", prompt="ab", echo=True,
+                                                          stream=True)
+    texts = [chunk.choices[0].text async for chunk in stream]
+    assert texts[0] == "ab" and "".join(texts) == "abba"
+
+
+async def test_chat_unknown_model_is_404_with_an_openai_error(gateway: RunningGateway) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        await client_for(gateway).chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}])
+    assert caught.value.response.json()["error"]["code"] == "model_not_found"
