@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass
 
 import aiohttp
+import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
@@ -43,7 +44,8 @@ class SyntheticRouter(router_pb2_grpc.RouterServicer):
             request = message.generate
             rid, count = request.request_id, request.sampling.max_tokens
             for position in range(count):
-                reason = common_pb2.FINISH_REASON_LENGTH if position == count - 1 else 0
+                reason = common_pb2.FINISH_REASON_LENGTH if position == count - 1 \
+                    else common_pb2.FINISH_REASON_UNSPECIFIED
                 yield router_pb2.GenerateResponse(request_id=rid, delta=common_pb2.ChoiceDelta(
                     index=0, token_ids=[120], text="x", finish_reason=reason))
             yield router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.ChoiceFinish(
@@ -56,6 +58,15 @@ class SyntheticRouter(router_pb2_grpc.RouterServicer):
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: aio.ServicerContext) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id="synthetic")])
+
+    async def GetStatus(self, request: router_pb2.RouterGetStatusRequest,
+                        context: aio.ServicerContext) -> router_pb2.RouterGetStatusResponse:
+        return router_pb2.RouterGetStatusResponse()
+
+    async def MigrateContext(self, request: router_pb2.MigrateContextRequest,
+                             context: aio.ServicerContext) -> router_pb2.MigrateContextResponse:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "synthetic router")
+        raise AssertionError("unreachable")  # abort raises
 
 
 async def serve_synthetic_router(port: int) -> None:

@@ -44,6 +44,7 @@ def start_up(*args: str, timeout_s: float = 240.0) -> UpStack:
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     process = subprocess.Popen(
         [sys.executable, "-m", "microserving.cli", "up", "--port", "0", "--router-port", "0",
+         "--startup-timeout-s", str(timeout_s),
          *args], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=log.open("w"), text=True)
     assert process.stdout is not None
     deadline_s = time.monotonic() + timeout_s
