@@ -67,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    sock = bind_socket(settings.host, settings.port)
+    try:
+        sock = bind_socket(settings.host, settings.port)
+    except OSError as error:
+        print(f"microserving gateway: cannot listen on {settings.host}:{settings.port}: "
+              f"{error.strerror}", file=sys.stderr)
+        return 1
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=5)

@@ -186,3 +186,26 @@ def test_chunk_template_renders_exactly_what_pydantic_renders(text: str,
         assert parse_events(fast) == parse_events(encode_event(build(3, text, reason)))
         if text.isascii() and "\x00" not in text:
             assert fast == encode_event(build(3, text, reason))
+
+
+def test_cli_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gateway.cli import settings_from_args
+
+    monkeypatch.setenv("MICROSERVING_GATEWAY_ROUTER", "10.0.0.1:1")
+    monkeypatch.setenv("MICROSERVING_GATEWAY_MAX_INFLIGHT", "7")
+    settings = settings_from_args(["--router", "127.0.0.1:2", "--api-key", "a", "--api-key", "b"])
+    assert (settings.router, settings.max_inflight) == ("127.0.0.1:2", 7)
+    assert settings.all_api_keys() == ["a", "b"]
+
+
+def test_cli_reports_a_busy_port_without_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from gateway.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["--port", str(port)]) == 1
+    assert "cannot listen on" in capsys.readouterr().err
