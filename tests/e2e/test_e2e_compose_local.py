@@ -11,9 +11,11 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import openai
 import pytest
 import yaml
@@ -85,23 +87,30 @@ def wait_healthy(name: str, process: subprocess.Popen[bytes], probe: list[str], 
     pytest.fail(f"{name} not healthy after {timeout_s} s")
 
 
+@dataclass
+class ComposeStack:
+    base_url: str
+    processes: dict[str, subprocess.Popen[bytes]]
+
+
 @pytest.fixture(scope="module")
-def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
     services: dict[str, Any] = interpolate(
         yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {})["services"]
     ports = {name: free_port() for name in services}
     logs = tmp_path_factory.mktemp("compose")
-    processes: list[subprocess.Popen[bytes]] = []
+    started: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name in start_order(services):
             env = service_env(name, services, ports)
             argv = [sys.executable, "-m", "microserving.cli", *services[name]["command"]]
-            processes.append(subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True,
-                                              stdout=(logs / f"{name}.log").open("wb"),
-                                              stderr=subprocess.STDOUT))
-            wait_healthy(name, processes[-1], healthcheck(name, services, ports), env)
-        yield f"http://127.0.0.1:{ports['gateway']}/v1"
+            started[name] = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True,
+                                             stdout=(logs / f"{name}.log").open("wb"),
+                                             stderr=subprocess.STDOUT)
+            wait_healthy(name, started[name], healthcheck(name, services, ports), env)
+        yield ComposeStack(f"http://127.0.0.1:{ports['gateway']}/v1", started)
     finally:
+        processes = list(started.values())
         for process in reversed(processes):
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
@@ -112,11 +121,30 @@ def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def test_compose_services_serve_a_completion_through_the_gateway(compose_stack: str) -> None:
-    client = openai.OpenAI(base_url=compose_stack, api_key="unused", max_retries=0, timeout=120)
+def test_compose_services_serve_a_completion_through_the_gateway(
+        compose_stack: ComposeStack) -> None:
+    client = openai.OpenAI(base_url=compose_stack.base_url, api_key="unused", max_retries=0,
+                           timeout=120)
     reply = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
     assert reply.choices[0].finish_reason in ("stop", "length")
     assert reply.usage is not None and reply.usage.completion_tokens > 0
     chat = client.chat.completions.create(model="tiny", max_tokens=4,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.usage is not None and chat.usage.completion_tokens > 0
+
+
+def test_losing_the_only_decode_engine_makes_health_and_requests_503(
+        compose_stack: ComposeStack) -> None:
+    decode = compose_stack.processes["decode"]
+    os.killpg(decode.pid, signal.SIGKILL)
+    decode.wait(timeout=30)
+    health_url = compose_stack.base_url.removesuffix("/v1") + "/health"
+    deadline_s = time.monotonic() + 30
+    with httpx.Client(timeout=30) as http:
+        while http.get(health_url).status_code != 503:
+            assert time.monotonic() < deadline_s, "gateway /health stayed 200"
+            time.sleep(0.2)
+        reply = http.post(f"{compose_stack.base_url}/completions",
+                          json={"model": "tiny", "prompt": "Hello", "max_tokens": 4})
+    assert reply.status_code == 503, reply.text
+    assert set(reply.json()["error"]) == {"message", "type", "param", "code"}
