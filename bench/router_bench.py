@@ -143,29 +143,46 @@ async def router_first_token_s(stub: router_pb2_grpc.RouterStub, prompt: list[in
 
 
 # ---- relay rate ----
-async def _direct_stream(stub: engine_pb2_grpc.EngineStub, prompt: list[int], rid: str, max_tokens: int) -> int:
-    n = 0
+Arrivals = list[tuple[float, int]]  # (receive time, tokens in the message) of one stream
+
+
+async def _direct_stream(stub: engine_pb2_grpc.EngineStub, prompt: list[int], rid: str, max_tokens: int) -> Arrivals:
+    arrivals: Arrivals = []
     request = engine_pb2.StartGenerateRequest(request_id=rid, token_ids=prompt, sampling=_sampling(max_tokens))
     async for message in stub.StartGenerate(request):
-        n += sum(len(c.token_ids) for c in message.choices)
-    return n
+        arrivals.append((time.perf_counter(), sum(len(c.token_ids) for c in message.choices)))
+    return arrivals
 
 
-async def _router_stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], rid: str, max_tokens: int) -> int:
-    n = 0
+async def _router_stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], rid: str, max_tokens: int) -> Arrivals:
+    arrivals: Arrivals = []
     request = router_pb2.GenerateRequest(generate=router_pb2.NewRequest(
         request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt), sampling=_sampling(max_tokens)))
     async for message in stub.Generate(iter([request])):
         if message.HasField("delta"):
-            n += len(message.delta.token_ids)
-    return n
+            arrivals.append((time.perf_counter(), len(message.delta.token_ids)))
+    return arrivals
 
 
-async def relay_rate(make_stream: Any, concurrency: int, max_tokens: int, rng: random.Random, tag: str) -> float:
+def steady_rate(streams: Sequence[Arrivals]) -> float:
+    """Tokens per second while every stream is decoding: from the moment the last stream got
+    its first token to the moment the first stream got its last one (so admission spread and
+    the tail do not count); the whole run when that window is empty."""
+    begin = max(s[0][0] for s in streams)
+    end = min(s[-1][0] for s in streams)
+    if end - begin < 1e-3:
+        begin, end = min(s[0][0] for s in streams), max(s[-1][0] for s in streams)
+    tokens = sum(n for s in streams for t, n in s if begin < t <= end)
+    return tokens / (end - begin)
+
+
+async def relay_rate(make_stream: Any, concurrency: int, max_tokens: int, rng: random.Random, tag: str) -> tuple[float, float]:
+    """(steady-state tokens/s, whole-run tokens/s) of `concurrency` streams."""
     prompts = [_prompt(rng, 16) for _ in range(concurrency)]
     start = time.perf_counter()
-    counts = await asyncio.gather(*(make_stream(p, f"{tag}-{i}", max_tokens) for i, p in enumerate(prompts)))
-    return sum(counts) / (time.perf_counter() - start)
+    streams = await asyncio.gather(*(make_stream(p, f"{tag}-{i}", max_tokens) for i, p in enumerate(prompts)))
+    whole = sum(n for s in streams for _, n in s) / (time.perf_counter() - start)
+    return steady_rate(streams), whole
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -238,8 +255,13 @@ async def _relay(args: argparse.Namespace, engine: engine_pb2_grpc.EngineStub, r
                                            args.max_tokens, rng, f"dr{concurrency}-{rep}"))
             routed.append(await relay_rate(lambda p, r, m: _router_stream(router, p, r, m), concurrency,
                                            args.max_tokens, rng, f"rr{concurrency}-{rep}"))
-        out[str(concurrency)] = {"direct_tokens_per_s": max(direct), "router_tokens_per_s": max(routed),
-                                 "ratio": max(routed) / max(direct)}
+        best_direct, best_routed = max(direct), max(routed)
+        out[str(concurrency)] = {
+            "direct_tokens_per_s": best_direct[0], "router_tokens_per_s": best_routed[0],
+            "ratio": best_routed[0] / best_direct[0],
+            "direct_whole_run_tokens_per_s": best_direct[1], "router_whole_run_tokens_per_s": best_routed[1],
+            "whole_run_ratio": best_routed[1] / best_direct[1],
+        }
     return out
 
 
@@ -254,9 +276,10 @@ def print_report(report: dict[str, Any]) -> None:
     for name, row in report["patterns"].items():
         print(f"{name:<26}{row['engine_calls']:>6}{row['direct_first_token_ms']:>11.2f}"
               f"{row['router_first_token_ms']:>11.2f}{row['added_ms']:>10.2f}{row['added_rtt_per_call']:>10.2f}")
-    print(f"{'streams':<10}{'direct tok/s':>14}{'router tok/s':>14}{'ratio':>8}")
+    print(f"{'streams':<10}{'direct tok/s':>14}{'router tok/s':>14}{'ratio':>8}{'whole-run ratio':>17}")
     for concurrency, row in report["relay"].items():
-        print(f"{concurrency:<10}{row['direct_tokens_per_s']:>14.0f}{row['router_tokens_per_s']:>14.0f}{row['ratio']:>8.2f}")
+        print(f"{concurrency:<10}{row['direct_tokens_per_s']:>14.0f}{row['router_tokens_per_s']:>14.0f}"
+              f"{row['ratio']:>8.2f}{row['whole_run_ratio']:>17.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -264,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--samples", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--relay-repeats", type=int, default=2)
     parser.add_argument("--out", help="write the figures as JSON here")
