@@ -19,7 +19,7 @@ from gateway.admission import AdmissionLimit
 from gateway.errors import GatewayError, from_rpc_error
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.base import SamplingFields, Usage, dump
-from gateway.router_client import GenerateStream, RouterClient
+from gateway.router_client import RouterClient
 from gateway.serving.disconnect import ClientDisconnected, RelayResponse, run_until_disconnect
 from gateway.serving.events import Event, UsageTotals, relay
 from gateway.sse import DONE_EVENT, encode_event
@@ -100,7 +100,7 @@ class GenerationServing(ABC, Generic[RequestT]):
         events = relay(stream, router_requests, request.n, self.context.metrics, started_s)
         try:
             if request.stream:
-                return await self._start_stream(request, response_id, events, stream, cleanup,
+                return await self._start_stream(request, response_id, events, cleanup,
                                                 http_request)
             work = self.complete(request, response_id, events)
             result = await run_until_disconnect(http_request, work)
@@ -114,8 +114,7 @@ class GenerationServing(ABC, Generic[RequestT]):
                 cleanup()
 
     async def _start_stream(self, request: RequestT, response_id: str, events: RouterEvents,
-                            stream: GenerateStream, cleanup: Once,
-                            http_request: Request) -> Response:
+                            cleanup: Once, http_request: Request) -> Response:
         """Waits for the first router event so that early errors keep their HTTP status."""
         try:
             first = await run_until_disconnect(http_request, anext(events))
