@@ -74,7 +74,8 @@ def _tokenize(request: router_pb2.NewRequest, tokenizer: Tokenizer) -> tuple[lis
         vocab_size = tokenizer.vocab_size
         if any(not 0 <= i < vocab_size for i in ids):
             raise InvalidRequestError(f"token ids must lie in [0, {vocab_size})", param="token_ids.ids")
-        return ids, tokenizer.decode(ids, skip_special_tokens=False)
+        # The text is only sent back for echo; decoding it for every request costs time.
+        return ids, tokenizer.decode(ids, skip_special_tokens=False) if request.echo else ""
     if kind == "chat":
         return _tokenize_chat(request.chat, tokenizer)
     raise InvalidRequestError("one of text, token_ids or chat is required", param="input")
