@@ -111,7 +111,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], path: Path) -> Path:
     table = rows(result)
-    labels = [f"{r['pattern']}\n@{r['concurrency']}" for r in table]
+    labels = [f"{r['pattern'].replace('-disagg', '')}\n@{r['concurrency']}" for r in table]
     fig, (ax_ttft, ax_rate) = plt.subplots(2, 1, figsize=(max(8, len(labels) * 1.1), 8))
     width = 0.27
     for k, depth in enumerate(DEPTHS):

@@ -59,3 +59,16 @@ def test_report_writes_a_table_and_a_plot(tmp_path: Path) -> None:
     assert "| disagg | 1 | 10.00 | 13.00 | 16.00 | 3.00 | 2.00 |" in table
     assert (tmp_path / "table.md").read_text() == markdown(_result())
     assert (tmp_path / "control_plane.png").read_bytes().startswith(PNG_MAGIC)
+
+
+def test_repeated_rounds_are_summarised_by_their_median() -> None:
+    result = _result()
+    extra = []
+    for ttft, rate in ((0.020, 500.0), (0.030, 400.0)):
+        extra.append({"pattern": "disagg", "depth": "router", "concurrency": 1,
+                      "num_engine_calls": 3, "summary": _summary(ttft, rate)})
+    result["cells"] += extra
+    (row,) = rows(result)
+    assert row["ttft_p50_s"]["router"] == pytest.approx(0.020)  # median of 13, 20, 30 ms
+    assert row["tokens_per_s"]["router"] == pytest.approx(500.0)  # median of 950, 500, 400
+    assert row["ttft_p50_s"]["direct"] == pytest.approx(0.010)
