@@ -120,7 +120,11 @@ def engine_decode(engine: LLMEngine, batch: int) -> float:
 def _time_forwards(engine: LLMEngine, repeats: int = 20) -> float:
     """Median time of the model's decode forward alone for the running batch (no sampling,
     no scheduling), to split a step into device time and host overhead."""
-    batch = [ScheduledSeq(seq, 1) for seq in engine.scheduler.running]
+    page_size = engine.page_size
+    batch = [  # sequences whose pages already cover the next position
+        ScheduledSeq(seq, 1) for seq in engine.scheduler.running
+        if len(seq.block_table) * page_size > seq.num_computed_tokens
+    ]
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()

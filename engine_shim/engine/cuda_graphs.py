@@ -69,15 +69,21 @@ class DecodeGraphRunner:
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
         self._reset_padding(0)
+        # One stream for warm-up and capture, so the cuBLAS workspace a warm-up allocates is
+        # the one the capture uses. Thread-local capture: the engine captures on its own
+        # thread while the server's threads keep running (global mode would let any CUDA
+        # call elsewhere in the process invalidate the capture).
+        stream = torch.cuda.Stream()
         for bucket in reversed(self.buckets):
-            stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):  # warm up: autotuning and lazy allocations happen here
                     self._forward(bucket)
-            torch.cuda.current_stream().wait_stream(stream)
+            stream.synchronize()
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(
+                graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
+            ):
                 logits = self._forward(bucket)
             self._pool = graph.pool()
             self._graphs[bucket] = _Captured(graph, logits)

@@ -136,7 +136,9 @@ def test_cuda_graph_decode_equals_eager_decode() -> None:
 
 
 def test_batched_decode_of_16_mixed_lengths_equals_each_alone() -> None:
-    engine = _cuda_engine()
+    # fp32: in bf16, cuBLAS picks other kernels for other batch sizes and near-ties of a
+    # random model flip (seen on the H200); batching itself must not change anything.
+    engine = _cuda_engine(dtype="float32")
     baseline = engine.status().num_free_pages
     prompts = {f"b{i}": _prompt(100 + i, 3 + 23 * i) for i in range(16)}
     batched = _tokens(engine, prompts, GREEDY)

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Everything issue 9 measures on one CUDA GPU, in one go (about 8 minutes on an H200):
+# the gpu-marked tests, the engine-vs-transformers benchmark, the KV-transfer benchmark on the
+# GPU, and the whole stack (`microserving up --device cuda`) under `microserving bench` for
+# round-robin and disagg with both engines on the one GPU. Results go to $OUT (default
+# gpu_results/). Set GPU_STEPS to a subset, e.g. GPU_STEPS="tests bench".
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-gpu_results}"
+steps="${GPU_STEPS:-tests bench kv stack}"
+python="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/machine.txt"
+"$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/machine.txt"
+
+for step in $steps; do
+  case "$step" in
+    tests)
+      timeout 240 "$python" -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
+    bench)
+      timeout 360 "$python" -m bench.gpu_bench ${GPU_BENCH_ARGS:-} --out "$out" 2>&1 \
+        | grep -v Warning | tee "$out/gpu_bench.log" | grep -v '^ \|^{\|^}' ;;
+    kv)
+      timeout 180 "$python" -m bench.kv_bench --device cuda --model llama-1b --tokens 1024 8192 \
+        --num-pages 4096 > "$out/kv_bench.json" 2> "$out/kv_bench.log"; tail -3 "$out/kv_bench.log" ;;
+    stack)
+      export MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384 MICROSERVING_SHIM_MAX_NUM_SEQS=64
+      timeout 420 "$python" -m microserving.cli bench patterns --model llama-1b \
+        --patterns ${GPU_PATTERNS:-round-robin disagg} --rates ${GPU_RATES:-4 8 16} \
+        --duration-s ${GPU_DURATION_S:-12} --min-prompts 16 --input-len 1000 --output-len 100 \
+        --up-arg=--device=cuda --out "$out/stack" 2>&1 | tail -30 | tee "$out/stack.log" ;;
+  esac
+done
