@@ -34,21 +34,32 @@ def _values(result: dict[str, Any], metric: str) -> list[float]:
     )
 
 
+def _styles(results: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One color per label, one line style per load within a label."""
+    labels = sorted({run_label(r) for r in results})
+    loads = sorted({offered_load(r)[1] for r in results})
+    colors = [plt.get_cmap("tab10")(i) for i in range(10)]
+    styles = ("-", "--", ":", "-.")
+    return [{"color": colors[labels.index(run_label(r)) % len(colors)],
+             "linestyle": styles[loads.index(offered_load(r)[1]) % len(styles)]} for r in results]
+
+
 def plot_cdfs(results: Sequence[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """TTFT and JCT CDFs, one line per run."""
-    fig, axes = plt.subplots(1, len(METRICS), figsize=(11, 4))
+    """TTFT and JCT CDFs, one line per run (color: label, line style: load)."""
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(12, 4.5))
+    styles = _styles(results)
     for ax, (metric, name) in zip(axes, METRICS, strict=True):
-        for result in results:
+        for result, style in zip(results, styles, strict=True):
             values = _values(result, metric)
             if values:
                 ys = [(i + 1) / len(values) for i in range(len(values))]
                 _, load = offered_load(result)
                 label = f"{run_label(result)} @ {load:g}" if len(results) > 1 else run_label(result)
-                ax.step(values, ys, where="post", label=label)
+                ax.step(values, ys, where="post", label=label, **style)
         ax.set_xlabel(f"{name} (s)")
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize="small")
+    axes[-1].legend(fontsize="x-small", loc="lower right")
     return _save(fig, path, title or "latency CDFs")
 
 
