@@ -72,3 +72,11 @@ def test_repeated_rounds_are_summarised_by_their_median() -> None:
     assert row["ttft_p50_s"]["router"] == pytest.approx(0.020)  # median of 13, 20, 30 ms
     assert row["tokens_per_s"]["router"] == pytest.approx(500.0)  # median of 950, 500, 400
     assert row["ttft_p50_s"]["direct"] == pytest.approx(0.010)
+
+
+def test_a_service_that_exits_without_an_address_fails_with_its_output(tmp_path: Path) -> None:
+    from bench.procs import start_service
+
+    with pytest.raises(RuntimeError, match="unknown command"):
+        start_service("bogus", ["no-such-command"], tmp_path, timeout_s=30)
+    assert "unknown command" in (tmp_path / "bogus.log").read_text()
