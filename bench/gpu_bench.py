@@ -125,6 +125,8 @@ def _time_forwards(engine: LLMEngine, repeats: int = 20) -> float:
         ScheduledSeq(seq, 1) for seq in engine.scheduler.running
         if len(seq.block_table) * page_size > seq.num_computed_tokens
     ]
+    if not batch:
+        return float("nan")
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()

@@ -33,7 +33,7 @@ def greedy(max_tokens: int = 16) -> common_pb2.SamplingParams:
 
 def subprocess_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MICROSERVING_")}
-    env["PYTHONPATH"] = str(REPO_ROOT)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
     env.setdefault("OMP_NUM_THREADS", "1")  # several engines share two cores in CI
     return env
 
