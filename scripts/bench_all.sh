@@ -17,7 +17,8 @@ mkdir -p "$out" docs/img
 
 if [[ "$only" == all || "$only" == control-plane ]]; then
   echo "== control plane (tiny engines; direct / router / gateway at 1, 64, 256 streams)"
-  "$python" -m bench.control_plane --concurrency 1 64 256 --out "$out/control_plane"
+  "$python" -m bench.control_plane --concurrency 1 64 256 --prompt-len 16 --output-len 32 \
+    --requests-per-stream 1 --min-requests 16 --rounds 3 --out "$out/control_plane"
   cp "$out/control_plane/control_plane.png" docs/img/control_plane.png
   "$python" -m bench.docs_update --doc docs/benchmarks.md \
     "control-plane=$out/control_plane/table.md:$out/control_plane/control_plane.json"
