@@ -157,13 +157,13 @@ def create_channel(
     extra_options: Sequence[tuple[str, Any]] = (),
 ) -> aio.Channel:
     """A grpc.aio channel to `address`. With TLS the token travels as call credentials; on
-    an insecure channel a `TokenClientInterceptor` adds it to every call. Without a token no
+    an insecure channel `token_interceptors` add it to every call. Without a token no
     interceptor is installed (they cost time on every streamed message)."""
     options = [*_size_options(settings), *extra_options]
     if settings.tls_server_name:
         options.append(("grpc.ssl_target_name_override", settings.tls_server_name))
     if not settings.is_tls:
-        interceptors: list[Any] = [TokenClientInterceptor(settings.token)] if settings.token else []
+        interceptors: list[Any] = token_interceptors(settings.token) if settings.token else []
         return aio.insecure_channel(address, options=options, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(settings.tls_ca),
@@ -177,13 +177,9 @@ def create_channel(
     return aio.secure_channel(address, credentials, options=options)
 
 
-class TokenClientInterceptor(
-    aio.UnaryUnaryClientInterceptor,
-    aio.UnaryStreamClientInterceptor,
-    aio.StreamUnaryClientInterceptor,
-    aio.StreamStreamClientInterceptor,
-):
-    """Adds the bearer token to every call of an insecure channel."""
+class _TokenMetadata:
+    """Adds the bearer token to a call's metadata (insecure channels; TLS uses call
+    credentials instead)."""
 
     def __init__(self, token: str | None) -> None:
         self._pair = (TOKEN_METADATA_KEY, f"Bearer {token}")
@@ -194,14 +190,32 @@ class TokenClientInterceptor(
             details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
         )
 
+
+# One class per call shape: grpc.aio files each channel interceptor under the first shape it
+# matches (an if/elif chain), so a single class implementing all four would only ever see
+# unary-unary calls and the streaming RPCs (StartGenerate, PushKV, Generate) would go out
+# without the token.
+class _UnaryUnaryToken(_TokenMetadata, aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details), request)
 
+
+class _UnaryStreamToken(_TokenMetadata, aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, client_call_details, request):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details), request)
 
+
+class _StreamUnaryToken(_TokenMetadata, aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details), request_iterator)
 
+
+class _StreamStreamToken(_TokenMetadata, aio.StreamStreamClientInterceptor):
     async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # type: ignore[no-untyped-def]
         return await continuation(self._details(client_call_details), request_iterator)
+
+
+def token_interceptors(token: str) -> list[aio.ClientInterceptor]:
+    """Channel interceptors that add the bearer token to calls of every shape."""
+    kinds = (_UnaryUnaryToken, _UnaryStreamToken, _StreamUnaryToken, _StreamStreamToken)
+    return [kind(token) for kind in kinds]
