@@ -186,10 +186,11 @@ def parse_args(argv: list[str]) -> tuple[ControlPlaneConfig, Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    config, out = parse_args(sys.argv[1:] if argv is None else argv)
+    args = sys.argv[1:] if argv is None else list(argv)
+    config, out = parse_args(args)
     out.mkdir(parents=True, exist_ok=True)
     result = asyncio.run(run_control_plane(config, out / "logs"))
-    result["machine"] = machine_info(["microserving", "bench", "control-plane", *(argv or [])])
+    result["machine"] = machine_info(["microserving", "bench", "control-plane", *args])
     (out / "control_plane.json").write_text(json.dumps(result, indent=1) + "\n")
     table = report(result, out)
     print(table)
