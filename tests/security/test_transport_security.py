@@ -105,10 +105,12 @@ async def test_mtls_and_token_on_every_hop_serve_a_disaggregated_request(stack) 
 async def test_shim_refuses_callers_without_credentials(stack, certs, method: str) -> None:
     shim = stack["decode"].address
     good, rogue = certs["good"], certs["rogue"]
-    assert await _engine_code(shim, _transport(None, token=TOKEN), method) == grpc.StatusCode.UNAVAILABLE
-    assert await _engine_code(shim, _transport(good, with_cert=False), method) == grpc.StatusCode.UNAVAILABLE
+    # The handshake fails per connection, before any method: checked with the unary Abort
+    # (a refused streaming call may surface as a local cancel in grpc.aio, hiding the code).
+    assert await _engine_code(shim, _transport(None, token=TOKEN), "Abort") == grpc.StatusCode.UNAVAILABLE
+    assert await _engine_code(shim, _transport(good, with_cert=False), "Abort") == grpc.StatusCode.UNAVAILABLE
     rogue_client = TransportSettings(tls_cert=rogue.cert, tls_key=rogue.key, tls_ca=good.ca, token=TOKEN)
-    assert await _engine_code(shim, rogue_client, method) == grpc.StatusCode.UNAVAILABLE
+    assert await _engine_code(shim, rogue_client, "Abort") == grpc.StatusCode.UNAVAILABLE
     assert await _engine_code(shim, _transport(good, token=None), method) == grpc.StatusCode.UNAUTHENTICATED
     assert await _engine_code(shim, _transport(good, token="wrong"), method) == grpc.StatusCode.UNAUTHENTICATED
     with_credentials = await _engine_code(shim, _transport(good), method)
@@ -118,12 +120,20 @@ async def test_shim_refuses_callers_without_credentials(stack, certs, method: st
 async def test_router_refuses_callers_without_credentials(stack, certs) -> None:
     router = stack["router"].address
     good, rogue = certs["good"], certs["rogue"]
-    assert await _router_code(router, _transport(None)) == grpc.StatusCode.UNAVAILABLE
-    assert await _router_code(router, _transport(good, with_cert=False)) == grpc.StatusCode.UNAVAILABLE
     rogue_client = TransportSettings(tls_cert=rogue.cert, tls_key=rogue.key, tls_ca=good.ca, token=TOKEN)
-    assert await _router_code(router, rogue_client) == grpc.StatusCode.UNAVAILABLE
+    for refused in (_transport(None), _transport(good, with_cert=False), rogue_client):
+        assert await _list_models_code(router, refused) == grpc.StatusCode.UNAVAILABLE
     assert await _router_code(router, _transport(good, token=None)) == grpc.StatusCode.UNAUTHENTICATED
     assert await _router_code(router, _transport(good), send=True) == grpc.StatusCode.OK
+
+
+async def _list_models_code(address: str, transport: TransportSettings) -> grpc.StatusCode:
+    async with create_channel(address, transport) as channel:
+        try:
+            await router_pb2_grpc.RouterStub(channel).ListModels(router_pb2.ListModelsRequest(), timeout=5)
+        except grpc.aio.AioRpcError as error:
+            return error.code()
+    return grpc.StatusCode.OK
 
 
 def _is_loopback(ip: str) -> bool:
