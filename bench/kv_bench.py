@@ -14,12 +14,13 @@ import asyncio
 import json
 import platform
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from engine_shim.server import ShimServer
-from engine_shim.settings import ShimSettings
+from bench.procs import ServiceGroup
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -60,17 +61,27 @@ async def _transfer(p_stub, d_stub, request_id: str, tokens: list[int]) -> tuple
 async def run(
     model: str, token_counts: list[int], num_pages: int, device: str = "cpu", dtype: str = "auto"
 ) -> list[dict[str, object]]:
-    # D without a prefix cache hit: every run receives the whole window.
-    common = {"model": model, "port": 0, "num_pages": num_pages, "reservation_ttl_s": 3600,
-              "device": device, "dtype": dtype}
-    p = ShimServer(ShimSettings(role="prefill", **common))
-    d = ShimServer(ShimSettings(role="decode", **common))
-    await p.start()
-    await d.start()
+    # P and D as separate shim processes, as deployed: the push crosses loopback TCP between
+    # two Python processes. D has no prefix-cache hit: every run receives the whole window.
+    common = ["--model", model, "--port", "0", "--num-pages", str(num_pages),
+              "--reservation-ttl-s", "3600", "--device", device, "--dtype", dtype,
+              "--log-level", "WARNING"]
+    group = ServiceGroup(Path(tempfile.mkdtemp(prefix="kv_bench_")))
+    try:
+        p = group.start("prefill", ["shim", "--role", "prefill", *common])
+        d = group.start("decode", ["shim", "--role", "decode", *common])
+        return await _measure(p.address, d.address, model, device, token_counts)
+    finally:
+        group.close()
+
+
+async def _measure(
+    p_address: str, d_address: str, model: str, device: str, token_counts: list[int]
+) -> list[dict[str, object]]:
     rows = []
     async with (
-        create_channel(p.address, TransportSettings()) as pc,
-        create_channel(d.address, TransportSettings()) as dc,
+        create_channel(p_address, TransportSettings()) as pc,
+        create_channel(d_address, TransportSettings()) as dc,
     ):
         p_stub, d_stub = engine_pb2_grpc.EngineStub(pc), engine_pb2_grpc.EngineStub(dc)
         for n in token_counts:
@@ -93,8 +104,6 @@ async def run(
                 }
             )
             print(json.dumps(row), file=sys.stderr, flush=True)
-    await p.stop(1.0)
-    await d.stop(1.0)
     return rows
 
 

@@ -8,6 +8,7 @@ import warnings
 from collections.abc import Iterator
 
 import torch
+from google.protobuf.internal.encoder import _VarintBytes
 
 from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout
 
@@ -50,3 +51,25 @@ def chunk_from_bytes(begin: int, num_tokens: int, raw: bytes, layout: KVLayout) 
         flat = torch.frombuffer(raw, dtype=torch_dtype(layout))
     shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
     return KVChunk(begin=begin, num_tokens=num_tokens, data=flat.view(shape))
+
+
+def encode_chunk_request(begin: int, num_tokens: int, raw: bytes) -> bytes:
+    """The wire bytes of `PushKVRequest(chunk=KVChunkData(begin, num_tokens, data=raw))`.
+
+    Written by hand because building and serialising that message through the protobuf
+    runtime copies the payload slowly (about 23 ms per 8 MiB here, against 2 ms for this
+    join), which capped the data plane near 0.4 GB/s. The bytes are exactly protobuf's
+    encoding (fields 1-3 of KVChunkData inside field 2 of PushKVRequest), so any peer parses
+    them with its generated code; tests/shim/test_shim_units.py checks the equality.
+    """
+    if begin < 0 or num_tokens < 0:
+        raise ValueError("begin and num_tokens must be >= 0")
+    parts: list[bytes] = []  # proto3 leaves fields at their default value out
+    if begin:
+        parts += (b"\x08", _VarintBytes(begin))  # KVChunkData.begin = 1, varint
+    if num_tokens:
+        parts += (b"\x10", _VarintBytes(num_tokens))  # KVChunkData.num_tokens = 2, varint
+    if raw:
+        parts += (b"\x1a", _VarintBytes(len(raw)), raw)  # KVChunkData.data = 3, bytes
+    inner = b"".join(parts)
+    return b"".join((b"\x12", _VarintBytes(len(inner)), inner))  # PushKVRequest.chunk = 2

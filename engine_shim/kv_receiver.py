@@ -4,6 +4,7 @@ its chunks into the engine. A push that breaks off aborts its reservation."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator
@@ -115,19 +116,40 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         self, request_id: str, ticket: Ticket, messages: AsyncIterator[engine_pb2.PushKVRequest]
     ) -> int:
         position, num_bytes = ticket.begin, 0
-        async for message in messages:
-            if message.WhichOneof("payload") != "chunk":
-                raise InvalidRequestError("only chunks may follow the PushKV header")
-            chunk = message.chunk
-            if chunk.begin != position or chunk.begin + chunk.num_tokens > ticket.end:
-                raise InvalidRequestError(
-                    f"chunk [{chunk.begin}, {chunk.begin + chunk.num_tokens}) does not continue "
-                    f"the reserved window at {position} (end {ticket.end})"
+        # One import in flight while the next message is read: the engine thread writes
+        # chunk i into the pool while gRPC delivers chunk i+1 (the engine runs commands in
+        # order, so chunks land in order).
+        importing: asyncio.Future[None] | None = None
+        try:
+            async for message in messages:
+                position, num_bytes, importing = await self._accept(
+                    request_id, ticket, message, position, num_bytes, importing
                 )
-            kv = chunk_from_bytes(chunk.begin, chunk.num_tokens, chunk.data, self._sink.kv_layout)
-            await self._sink.import_kv(request_id, kv)
-            position += chunk.num_tokens
-            num_bytes += len(chunk.data)
+            if importing is not None:
+                await importing
+                importing = None
+        finally:
+            if importing is not None:
+                importing.cancel()
         if position != ticket.end:
             raise InvalidRequestError(f"KV push ended at {position}, reservation ends {ticket.end}")
         return num_bytes
+
+    async def _accept(
+        self, request_id: str, ticket: Ticket, message: engine_pb2.PushKVRequest,
+        position: int, num_bytes: int, importing: asyncio.Future[None] | None,
+    ) -> tuple[int, int, asyncio.Future[None]]:
+        """Check one message, wait for the previous import, start this one's."""
+        if message.WhichOneof("payload") != "chunk":
+            raise InvalidRequestError("only chunks may follow the PushKV header")
+        chunk = message.chunk
+        if chunk.begin != position or chunk.begin + chunk.num_tokens > ticket.end:
+            raise InvalidRequestError(
+                f"chunk [{chunk.begin}, {chunk.begin + chunk.num_tokens}) does not continue "
+                f"the reserved window at {position} (end {ticket.end})"
+            )
+        kv = chunk_from_bytes(chunk.begin, chunk.num_tokens, chunk.data, self._sink.kv_layout)
+        if importing is not None:
+            await importing
+        next_import = asyncio.ensure_future(self._sink.import_kv(request_id, kv))
+        return position + chunk.num_tokens, num_bytes + len(chunk.data), next_import

@@ -18,9 +18,9 @@ from engine_shim.engine.api import (
     UnavailableError,
 )
 from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_codec import split_chunk
+from engine_shim.kv_codec import encode_chunk_request, split_chunk
 from microserving.transport import TransportSettings, create_channel
-from microserving.v1 import engine_pb2, engine_pb2_grpc
+from microserving.v1 import engine_pb2
 
 _PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
@@ -29,20 +29,32 @@ _PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 }
 
 
+_PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
+
+
+def _pass_through(message: bytes) -> bytes:
+    return message
+
+
 class PeerChannels:
-    """One channel per peer address, reused by every transfer to that peer."""
+    """One channel per peer address, reused by every transfer to that peer. Requests go out
+    as pre-encoded protobuf bytes (see kv_codec.encode_chunk_request)."""
 
     def __init__(self, transport: TransportSettings) -> None:
         self._transport = transport
-        self._stubs: dict[str, engine_pb2_grpc.KVTransferStub] = {}
+        self._stubs: dict[str, aio.StreamUnaryMultiCallable] = {}
         self._channels: list[aio.Channel] = []
 
-    def stub(self, address: str) -> engine_pb2_grpc.KVTransferStub:
+    def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
         stub = self._stubs.get(address)
         if stub is None:
             channel = create_channel(address, self._transport)
             self._channels.append(channel)
-            stub = self._stubs[address] = engine_pb2_grpc.KVTransferStub(channel)
+            stub = self._stubs[address] = channel.stream_unary(
+                _PUSH_KV_METHOD,
+                request_serializer=_pass_through,
+                response_deserializer=engine_pb2.PushKVResponse.FromString,
+            )
         return stub
 
     async def close(self) -> None:
@@ -62,19 +74,18 @@ class _Progress:
 
 async def _messages(
     addr: KVAddrInfo, chunks: AsyncIterator[KVChunk], max_payload_bytes: int, progress: _Progress
-) -> AsyncIterator[engine_pb2.PushKVRequest]:
+) -> AsyncIterator[bytes]:
     header = engine_pb2.KVPushHeader(
         request_id=addr.request_id,
         reservation_token=addr.reservation_token,
         layout=layout_to_pb(addr.layout),
     )
-    yield engine_pb2.PushKVRequest(header=header)
+    yield engine_pb2.PushKVRequest(header=header).SerializeToString()
     try:
         async for chunk in chunks:
             for begin, num_tokens, raw in split_chunk(chunk, max_payload_bytes):
                 progress.num_bytes += len(raw)
-                data = engine_pb2.KVChunkData(begin=begin, num_tokens=num_tokens, data=raw)
-                yield engine_pb2.PushKVRequest(chunk=data)
+                yield encode_chunk_request(begin, num_tokens, raw)
     except Exception as error:  # noqa: BLE001 - re-raised by push_kv after the call ends
         # Ending the stream early makes the receiver drop the incomplete reservation.
         progress.error = error
@@ -92,7 +103,7 @@ async def push_kv(
     progress = _Progress()
     stub = peers.stub(addr.address)
     try:
-        response: engine_pb2.PushKVResponse = await stub.PushKV(
+        response: engine_pb2.PushKVResponse = await stub(
             _messages(addr, chunks, max_payload_bytes, progress), timeout=timeout_s
         )
     except aio.AioRpcError as error:

@@ -60,7 +60,7 @@ class ShimSettings(BaseSettings):
         30.0, ge=0, description="On SIGTERM/SIGINT, in-flight calls get this long to finish."
     )
     kv_push_chunk_bytes: int = Field(
-        4 * 1024 * 1024, ge=1024, description="Largest KV payload of one PushKV message."
+        16 * 1024 * 1024, ge=1024, description="Largest KV payload of one PushKV message."
     )
     max_prompt_tokens: int = Field(
         1_000_000, ge=1, description="Largest prompt (token ids) one call may carry."

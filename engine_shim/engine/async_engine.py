@@ -172,15 +172,28 @@ class AsyncEngine:
                 is_released = True
                 raise item
             windows = await self._call(lambda core: core.export_windows(request_id))
-            for i, (chunk_begin, num_tokens) in enumerate(windows):
+
+            def export(i: int) -> asyncio.Future[KVChunk]:
+                chunk_begin, num_tokens = windows[i]
                 is_last = i == len(windows) - 1
-                chunk = await self._call(
-                    lambda core, b=chunk_begin, n=num_tokens, last=is_last: _export(
-                        core, request_id, b, n, last
-                    )
-                )
-                is_released = is_last
-                yield chunk
+                return asyncio.ensure_future(self._call(
+                    lambda core: _export(core, request_id, chunk_begin, num_tokens, is_last)
+                ))
+
+            # One chunk of lookahead: the engine thread copies chunk i+1 out of the pool
+            # while the consumer sends chunk i, so copy and transfer overlap.
+            pending = export(0) if windows else None
+            for i in range(len(windows)):
+                assert pending is not None  # set for every index below len(windows)
+                chunk = await pending
+                is_released = i == len(windows) - 1
+                pending = export(i + 1) if not is_released else None
+                try:
+                    yield chunk
+                except BaseException:
+                    if pending is not None:
+                        pending.cancel()
+                    raise
         finally:
             self._close_stream(self._send_queues, request_id, stream)
             if not is_released:

@@ -206,3 +206,17 @@ def test_settings_come_from_the_environment_and_reject_unknown_options(monkeypat
     assert settings.role == "decode" and settings.page_size == 32
     with pytest.raises(ValueError):
         ShimSettings(no_such_option=1)  # type: ignore[call-arg]
+
+
+@pytest.mark.parametrize("begin,num_tokens,size", [(0, 0, 0), (5, 256, 1 << 20), (300, 1, 7)])
+def test_hand_encoded_kv_chunk_is_exactly_protobufs_encoding(begin, num_tokens, size):
+    from engine_shim.kv_codec import encode_chunk_request
+    from microserving.v1 import engine_pb2
+
+    raw = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    expected = engine_pb2.PushKVRequest(
+        chunk=engine_pb2.KVChunkData(begin=begin, num_tokens=num_tokens, data=raw)
+    ).SerializeToString()
+    assert encode_chunk_request(begin, num_tokens, raw) == expected
+    parsed = engine_pb2.PushKVRequest.FromString(encode_chunk_request(begin, num_tokens, raw))
+    assert (parsed.chunk.begin, parsed.chunk.num_tokens, parsed.chunk.data) == (begin, num_tokens, raw)
