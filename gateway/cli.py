@@ -51,7 +51,10 @@ def settings_from_args(argv: list[str]) -> GatewaySettings:
 
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP, not 0: asyncio turns on TCP_NODELAY only for sockets whose proto
+    # says TCP, and accepted sockets inherit it; without it Nagle holds back the first SSE
+    # chunk of a reused connection for ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     sock.listen(2048)

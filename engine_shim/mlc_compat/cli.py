@@ -50,7 +50,10 @@ def parse_settings(argv: list[str]) -> MLCCompatSettings:
 
 
 def bind(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP so asyncio sets TCP_NODELAY on accepted connections (see gateway/cli.py).
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
     return sock
