@@ -79,18 +79,8 @@ class GatewayError(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.kind is OVERLOADED else {}
 
 
-def _is_prompt_too_long(param: str, message: str) -> bool:
-    """The router's INVALID_ARGUMENT for a prompt longer than the context (param "input" or
-    "prompt", a message naming the context); kept until the router sends OUT_OF_RANGE."""
-    text = message.lower()
-    return param.split(".")[0] in ("prompt", "input") and (
-        "context" in text or "too long" in text)
-
-
 def from_grpc(code: grpc.StatusCode, message: str, param: str = "") -> GatewayError:
     """The HTTP error for a gRPC status; unknown codes are internal errors."""
-    if code is grpc.StatusCode.INVALID_ARGUMENT and _is_prompt_too_long(param, message):
-        return GatewayError(TOO_LONG, message, param or "prompt")
     kind = _BY_GRPC_CODE.get(code, INTERNAL)
     if kind is INTERNAL:
         logger.error("router answered %s: %s", code.name, message)

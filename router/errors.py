@@ -24,6 +24,12 @@ class InvalidRequestError(RouterError):
     code = grpc.StatusCode.INVALID_ARGUMENT
 
 
+class ContextLengthError(RouterError):
+    """The prompt alone does not fit the model's context (HTTP 413 at the gateway)."""
+
+    code = grpc.StatusCode.OUT_OF_RANGE
+
+
 class ModelNotFoundError(RouterError):
     code = grpc.StatusCode.NOT_FOUND
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, router_pb2
-from router.errors import InvalidRequestError, ModelNotFoundError
+from router.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_CHOICES = 16
@@ -132,7 +132,7 @@ def check_length(
     if max_context_length is None:
         return  # no engine has reported yet; the engine checks again
     if num_prompt_tokens >= max_context_length:
-        raise InvalidRequestError(
+        raise ContextLengthError(
             f"the prompt has {num_prompt_tokens} tokens; the context holds {max_context_length}",
             param="input",
         )

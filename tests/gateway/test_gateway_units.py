@@ -107,8 +107,8 @@ def test_grpc_codes_map_to_http_statuses(code: grpc.StatusCode, status: int) -> 
     assert from_grpc(code, "m").status == status
 
 
-def test_too_long_prompt_as_invalid_argument_is_still_413() -> None:
-    error = from_code_number(3, "the prompt has 900 tokens; the context holds 512", "input")
+def test_too_long_prompt_is_413_and_other_invalid_arguments_400() -> None:
+    error = from_code_number(11, "the prompt has 900 tokens; the context holds 512", "input")
     assert (error.status, error.param, error.kind.code) == (413, "input",
                                                             "context_length_exceeded")
     assert from_code_number(3, "bad temperature", "sampling.temperature").status == 400

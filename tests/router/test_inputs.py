@@ -48,7 +48,6 @@ def test_token_ids_pass_through() -> None:
         ({"text": "x", "sampling": common_pb2.SamplingParams(logit_bias={5: 101})}, "sampling.logit_bias"),
         ({"text": "x", "sampling": common_pb2.SamplingParams(top_logprobs=21)}, "sampling.top_logprobs"),
         ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=1023)}, "sampling.max_tokens"),
-        ({"text": "x" * 2000}, "input"),
         ({"token_ids": router_pb2.TokenIds(ids=[10**6])}, "token_ids.ids"),
         ({"token_ids": router_pb2.TokenIds()}, "token_ids.ids"),
         ({}, "input"),
@@ -62,6 +61,12 @@ def test_invalid_input_is_refused_with_its_field(fields: dict[str, object], para
         prepare(_new(**fields), TOKENIZER, "tiny", 1024)
     assert caught.value.code == grpc.StatusCode.INVALID_ARGUMENT
     assert caught.value.param == param
+
+
+def test_a_prompt_longer_than_the_context_is_out_of_range() -> None:
+    with pytest.raises(RouterError) as caught:
+        prepare(_new(text="x" * 2000), TOKENIZER, "tiny", 1024)
+    assert (caught.value.code, caught.value.param) == (grpc.StatusCode.OUT_OF_RANGE, "input")
 
 
 def test_unknown_model_is_not_found() -> None:
