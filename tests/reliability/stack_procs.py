@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -155,7 +156,7 @@ def free_port() -> int:
 
 # ---- gRPC helpers ----
 
-def greedy(max_tokens: int = 16, **extra: object) -> common_pb2.SamplingParams:
+def greedy(max_tokens: int = 16, **extra: Any) -> common_pb2.SamplingParams:
     return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **extra)
 
 

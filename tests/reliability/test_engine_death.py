@@ -93,7 +93,7 @@ async def test_killed_decode_engine_requests_are_retried_or_resumed_token_exact(
         assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
         assert record.token_ids == want.token_ids, record.request_id  # no duplicated or lost text
         assert record.text == want.text
-        assert doomed.address not in record.done.engines
+        assert record.done is not None and doomed.address not in record.done.engines
     # The router says which requests it moved: "resuming" (tokens streamed) or "retrying".
     log = router.log()
     resumed = set(re.findall(r"resuming (r\d+) elsewhere after \S+ on " + re.escape(doomed.address), log))

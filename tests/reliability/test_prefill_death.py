@@ -79,7 +79,7 @@ async def test_prefill_killed_during_remote_send_frees_the_reservation_and_retri
 
     assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
     assert record.token_ids == want
-    assert list(record.done.engines) == [decode.address]
+    assert record.done is not None and list(record.done.engines) == [decode.address]
     assert re.search(r"retrying pd elsewhere after remote_send on " + re.escape(prefill.address), router.log())
     status = await engine_status(decode.address)
     assert status.num_reserved_requests == 0

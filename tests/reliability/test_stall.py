@@ -91,7 +91,8 @@ async def test_stalled_shim_leaves_rotation_and_returns_after_sigcont(stack) -> 
         assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
         assert record.token_ids == reference[record.request_id]
     for record in [*streaming, *during]:
+        assert record.done is not None
         assert list(record.done.engines) == [healthy.address]
-    assert any(stalled.address in r.done.engines for r in after)
+    assert any(r.done is not None and stalled.address in r.done.engines for r in after)
     print(f"\nstall: detected in {detect_s:.2f} s (health every {HEALTH_INTERVAL_S} s, deadline "
           f"{HEALTH_TIMEOUT_S} s), back in rotation {back_s:.2f} s after SIGCONT")
