@@ -84,7 +84,7 @@ class RequestRunner:
             try:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
-                await _abort(self._router, ctx)
+                await _abort(self._router, ctx, faulty=exc.address if exc.is_engine_fault else None)
                 num_failures += 1
                 if not exc.is_retryable or num_failures >= settings.max_attempts or not self._can_resume():
                     raise
@@ -198,7 +198,21 @@ class RequestRunner:
         self._outbox.put(router_pb2.GenerateResponse(request_id=self._prepared.request_id, error=error))
 
 
-async def _abort(router: Router, ctx: RequestContext) -> None:
-    """Abort on every touched engine; shielded so a second cancel cannot skip the cleanup."""
+# Aborts sent to engines that just failed; kept referenced until they end.
+_detached_aborts: set[asyncio.Task[None]] = set()
+
+
+async def _abort(router: Router, ctx: RequestContext, faulty: str | None = None) -> None:
+    """Abort on every touched engine; shielded so a second cancel cannot skip the cleanup.
+
+    The Abort to a `faulty` engine (dead or stalled) runs detached: a stalled engine would
+    hold the retry for the whole Abort deadline, and it is out of rotation anyway."""
+    if faulty is not None and faulty in ctx.touched:
+        alone = RequestContext(ctx.engine_request_id, touched={faulty: None})
+        task = asyncio.get_running_loop().create_task(router.abort_touched(alone))
+        _detached_aborts.add(task)
+        task.add_done_callback(_detached_aborts.discard)
+        rest = {a: None for a in ctx.touched if a != faulty}
+        ctx = RequestContext(ctx.engine_request_id, touched=rest)
     if ctx.touched:
         await asyncio.shield(router.abort_touched(ctx))
