@@ -14,6 +14,7 @@ import platform
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +47,7 @@ def bench_engine(engine: LLMEngine, batch: int, prompt_len: int, decode_tokens: 
     return batch * prompt_len / prefill_s, batch * decode_tokens / decode_s
 
 
-def bench_hf(model: torch.nn.Module, batch: int, prompt_len: int, decode_tokens: int) -> tuple[float, float]:
+def bench_hf(model: Any, batch: int, prompt_len: int, decode_tokens: int) -> tuple[float, float]:
     ids = torch.tensor(_prompts(batch, prompt_len, 256))
     mask = torch.ones_like(ids)
     with torch.inference_mode():
@@ -68,7 +69,8 @@ def export_to_hf(engine: LLMEngine, out_dir: Path) -> torch.nn.Module:
         vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
         num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
         head_dim=c.head_dim, max_position_embeddings=c.max_position_embeddings, rms_norm_eps=c.rms_norm_eps,
-        rope_theta=c.rope_theta, tie_word_embeddings=c.tie_word_embeddings, eos_token_id=None, pad_token_id=0,
+        tie_word_embeddings=c.tie_word_embeddings, eos_token_id=None, pad_token_id=0,
+        rope_parameters={"rope_type": "default", "rope_theta": c.rope_theta},
     )
     model = LlamaForCausalLM(config)
     model.load_state_dict(engine.model.state_dict(), strict=False)

@@ -147,11 +147,12 @@ def hf_model(engine: LLMEngine) -> Any:
         intermediate_size=mc.intermediate_size, num_hidden_layers=mc.num_layers,
         num_attention_heads=mc.num_heads, num_key_value_heads=mc.num_kv_heads,
         head_dim=mc.head_dim, max_position_embeddings=mc.max_position_embeddings,
-        rms_norm_eps=mc.rms_norm_eps, rope_theta=mc.rope_theta,
-        tie_word_embeddings=mc.tie_word_embeddings,
+        rms_norm_eps=mc.rms_norm_eps, tie_word_embeddings=mc.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta},
     )
     with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        model: Any = LlamaForCausalLM(config)
+    model = model.to(dtype=torch.bfloat16)
     missing, unexpected = model.load_state_dict(engine.model.state_dict(), strict=False)
     if unexpected or any("rotary" not in name for name in missing):
         raise RuntimeError(f"weight names differ: missing {missing}, unexpected {unexpected}")

@@ -8,7 +8,6 @@ import warnings
 from collections.abc import Iterator
 
 import torch
-from google.protobuf.internal.encoder import _VarintBytes
 
 from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout
 
@@ -53,6 +52,16 @@ def chunk_from_bytes(begin: int, num_tokens: int, raw: bytes, layout: KVLayout) 
     return KVChunk(begin=begin, num_tokens=num_tokens, data=flat.view(shape))
 
 
+def _varint(value: int) -> bytes:
+    """Protobuf's base-128 varint of a non-negative int."""
+    out = bytearray()
+    while value > 0x7F:
+        out.append((value & 0x7F) | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
 def encode_chunk_request(begin: int, num_tokens: int, raw: bytes) -> bytes:
     """The wire bytes of `PushKVRequest(chunk=KVChunkData(begin, num_tokens, data=raw))`.
 
@@ -66,10 +75,10 @@ def encode_chunk_request(begin: int, num_tokens: int, raw: bytes) -> bytes:
         raise ValueError("begin and num_tokens must be >= 0")
     parts: list[bytes] = []  # proto3 leaves fields at their default value out
     if begin:
-        parts += (b"\x08", _VarintBytes(begin))  # KVChunkData.begin = 1, varint
+        parts += (b"\x08", _varint(begin))  # KVChunkData.begin = 1, varint
     if num_tokens:
-        parts += (b"\x10", _VarintBytes(num_tokens))  # KVChunkData.num_tokens = 2, varint
+        parts += (b"\x10", _varint(num_tokens))  # KVChunkData.num_tokens = 2, varint
     if raw:
-        parts += (b"\x1a", _VarintBytes(len(raw)), raw)  # KVChunkData.data = 3, bytes
+        parts += (b"\x1a", _varint(len(raw)), raw)  # KVChunkData.data = 3, bytes
     inner = b"".join(parts)
-    return b"".join((b"\x12", _VarintBytes(len(inner)), inner))  # PushKVRequest.chunk = 2
+    return b"".join((b"\x12", _varint(len(inner)), inner))  # PushKVRequest.chunk = 2

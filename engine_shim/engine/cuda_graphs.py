@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -49,7 +50,7 @@ class DecodeGraphRunner:
         self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
         self._graphs: dict[int, _Captured] = {}
         self.num_replays = 0
-        self._pool: object | None = None
+        self._pool: Any = None  # the first graph's memory pool handle, shared by the others
 
     @property
     def max_batch(self) -> int:

@@ -54,6 +54,7 @@ def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
+        self.inv_freq: torch.Tensor
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -109,7 +109,8 @@ def test_bf16_logits_are_as_close_to_fp32_as_transformers_bf16() -> None:
         num_hidden_layers=mc.num_layers, num_attention_heads=mc.num_heads,
         num_key_value_heads=mc.num_kv_heads, head_dim=mc.head_dim,
         max_position_embeddings=mc.max_position_embeddings, rms_norm_eps=mc.rms_norm_eps,
-        rope_theta=mc.rope_theta, tie_word_embeddings=mc.tie_word_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": mc.rope_theta},
+        tie_word_embeddings=mc.tie_word_embeddings,
     )
     with torch.device("cuda"):
         hf32 = LlamaForCausalLM(config).float().eval()
