@@ -166,8 +166,8 @@ def test_in_process_pd_on_cuda_is_token_exact_and_leaks_nothing() -> None:
 
 
 def _shim_test_helpers() -> ModuleType:
-    """tests/shim/conftest.py's process helpers, loaded under a name of their own."""
-    path = Path(__file__).resolve().parents[1] / "shim" / "conftest.py"
+    """tests/shim/shim_helpers.py: the shim test helpers, loaded under a name of their own."""
+    path = Path(__file__).resolve().parents[1] / "shim" / "shim_helpers.py"
     spec = importlib.util.spec_from_file_location("shim_test_helpers", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -12,7 +12,14 @@ import textwrap
 
 import grpc
 import pytest
-from conftest import PROMPT, engine_stub, free_pages, greedy, subprocess_env, wait_for_free_pages
+from shim_helpers import (
+    PROMPT,
+    engine_stub,
+    free_pages,
+    greedy,
+    subprocess_env,
+    wait_for_free_pages,
+)
 
 from microserving.v1 import engine_pb2
 

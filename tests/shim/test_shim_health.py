@@ -9,12 +9,12 @@ import signal
 
 import grpc
 import pytest
-from conftest import PROMPT, engine_stub, generate, greedy, start_shim
 from google.protobuf.descriptor_pool import DescriptorPool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
+from shim_helpers import PROMPT, engine_stub, generate, greedy, start_shim
 
 from engine_shim.server import ShimServer
 from engine_shim.settings import ShimSettings

@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 import pytest
-from conftest import PROMPT, engine_stub, generate, greedy
+from shim_helpers import PROMPT, engine_stub, generate, greedy
 
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 

@@ -8,7 +8,7 @@ import json
 
 import grpc
 import pytest
-from conftest import PROMPT, engine_stub, free_pages, greedy, wait_for_free_pages
+from shim_helpers import PROMPT, engine_stub, free_pages, greedy, wait_for_free_pages
 
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import pytest_asyncio
 import uvicorn
-from conftest import PROMPT, engine_stub, greedy
+from shim_helpers import PROMPT, engine_stub, greedy
 
 from engine_shim.mlc_compat.app import create_app
 from engine_shim.mlc_compat.cli import bind

@@ -5,7 +5,7 @@ shim generates (StartGenerate); the tokens equal one shim alone at temperature 0
 from __future__ import annotations
 
 import pytest
-from conftest import PROMPT, engine_stub, generate, greedy
+from shim_helpers import PROMPT, engine_stub, generate, greedy
 
 from microserving.v1 import engine_pb2
 

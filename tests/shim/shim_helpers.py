@@ -1,0 +1,136 @@
+"""Fixtures of the shim tests: shims started through the real entry point
+(`python -m microserving.cli shim ... --port 0`, port read from its `listening on` line) and
+small gRPC helpers. The session-scoped P and D shims are shared by every test that leaves
+them as it found them (free pages back at baseline)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from grpc import aio
+
+from microserving.transport import TransportSettings, create_channel
+from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+STARTUP_TIMEOUT_S = 120.0
+
+# A prompt of 50 byte tokens (ids 10..59): spans 4 pages of 16.
+PROMPT = list(range(10, 60))
+
+
+def greedy(max_tokens: int = 16) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def subprocess_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MICROSERVING_")}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
+    env.setdefault("OMP_NUM_THREADS", "1")  # several engines share two cores in CI
+    return env
+
+
+class ServiceProcess:
+    """A subprocess that prints `... listening on HOST:PORT` once it serves."""
+
+    def __init__(self, args: list[str], log_path: Path) -> None:
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "microserving.cli", *args],
+            cwd=REPO_ROOT,
+            env=subprocess_env(),
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self.address = self._wait_for_address()
+
+    def _wait_for_address(self) -> str:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
+            if ready:
+                line = self.proc.stdout.readline().decode()
+                if " listening on " in line:
+                    return line.rsplit(" ", 1)[1].strip()
+                if not line and self.proc.poll() is not None:
+                    break
+        self.stop()
+        raise RuntimeError(f"{self.proc.args} did not start; see {self._log.name}")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        return int(self.proc.returncode)
+
+
+def start_shim(tmp_dir: Path, name: str, *extra: str) -> ServiceProcess:
+    args = ["shim", "--backend", "embedded", "--model", "tiny", "--port", "0", *extra]
+    return ServiceProcess(args, tmp_dir / f"{name}.log")
+
+
+@pytest.fixture(scope="session")
+def prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    shim = start_shim(tmp_path_factory.mktemp("shims"), "prefill", "--role", "prefill")
+    yield shim
+    shim.stop()
+
+
+@pytest.fixture(scope="session")
+def decode_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    shim = start_shim(tmp_path_factory.mktemp("shims"), "decode", "--role", "decode")
+    yield shim
+    shim.stop()
+
+
+def engine_stub(address: str) -> tuple[aio.Channel, engine_pb2_grpc.EngineAsyncStub]:
+    channel = create_channel(address, TransportSettings())
+    return channel, engine_pb2_grpc.EngineStub(channel)  # type: ignore[return-value]
+
+
+async def generate(
+    stub: engine_pb2_grpc.EngineAsyncStub,
+    request_id: str,
+    token_ids: list[int],
+    begin: int = 0,
+    sampling: common_pb2.SamplingParams | None = None,
+) -> list[int]:
+    request = engine_pb2.StartGenerateRequest(
+        request_id=request_id, token_ids=token_ids, begin=begin, sampling=sampling or greedy()
+    )
+    ids: list[int] = []
+    async for response in stub.StartGenerate(request):
+        for choice in response.choices:
+            ids.extend(choice.token_ids)
+    return ids
+
+
+async def free_pages(stub: engine_pb2_grpc.EngineAsyncStub) -> int:
+    status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+    return int(status.num_free_kv_pages)
+
+
+async def wait_for_free_pages(
+    stub: engine_pb2_grpc.EngineAsyncStub, expected: int, within_s: float = 1.0
+) -> int:
+    """Free pages once they equal `expected`, or the last value seen after `within_s`."""
+    deadline = time.monotonic() + within_s
+    seen = await free_pages(stub)
+    while seen != expected and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+        seen = await free_pages(stub)
+    return seen
