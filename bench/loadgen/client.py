@@ -123,6 +123,22 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
     return str(choice.get("text") or "")
 
 
+def _carries_a_token(chunk: dict[str, Any]) -> bool:
+    """A streamed chunk that stands for generated tokens even though its text is empty (a
+    token that decodes to nothing, or half a UTF-8 character): a choice still running whose
+    `text` / `delta.content` field is present. The chat role chunk and finish-only chunks
+    don't count."""
+    for choice in chunk.get("choices") or []:
+        if choice.get("finish_reason") is not None:
+            continue
+        delta = choice.get("delta")
+        if delta is None and "text" in choice:
+            return True
+        if delta is not None and "content" in delta and "role" not in delta:
+            return True
+    return False
+
+
 async def send_request(
     session: aiohttp.ClientSession,
     spec: RequestSpec,
@@ -184,7 +200,7 @@ def _on_chunk(chunk: dict[str, Any], record: RequestRecord, now_s: float) -> Non
         record.prompt_tokens = usage.get("prompt_tokens")
         record.completion_tokens = usage.get("completion_tokens")
     text = _chunk_text(chunk)
-    if not text:
+    if not text and not _carries_a_token(chunk):
         return
     if record.ttft_s is None:
         record.ttft_s = now_s - record.start_s
