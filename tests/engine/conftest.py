@@ -74,3 +74,24 @@ def hf_qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.save_pretrained(path)
     _write_tokenizer(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def hf_mistral_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Mistral with a 16-token sliding window, shorter than the parity prompts, so the window
+    mask is exercised in prefill and decode."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-mistral")
+    torch.manual_seed(4)
+    config = MistralConfig(
+        vocab_size=263, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        sliding_window=16, tie_word_embeddings=False, initializer_range=0.1,
+        bos_token_id=256, eos_token_id=257, attn_implementation="eager",
+    )
+    model = MistralForCausalLM(config)
+    model.save_pretrained(path)
+    _write_tokenizer(path)
+    return path
+

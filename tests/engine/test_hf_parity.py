@@ -27,7 +27,7 @@ def _load_hf(path: Path) -> torch.nn.Module:
     return model.eval()
 
 
-@pytest.mark.parametrize("fixture_name", ["hf_llama_dir", "hf_qwen2_dir"])
+@pytest.mark.parametrize("fixture_name", ["hf_llama_dir", "hf_qwen2_dir", "hf_mistral_dir"])
 def test_logits_match_transformers_over_prefill_and_decode(
     fixture_name: str, request: pytest.FixtureRequest
 ) -> None:
@@ -55,7 +55,7 @@ def test_logits_match_transformers_over_prefill_and_decode(
     torch.testing.assert_close(ours, hf_logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("fixture_name", ["hf_llama_dir", "hf_qwen2_dir"])
+@pytest.mark.parametrize("fixture_name", ["hf_llama_dir", "hf_qwen2_dir", "hf_mistral_dir"])
 def test_greedy_equals_transformers_generate(fixture_name: str, request: pytest.FixtureRequest) -> None:
     path: Path = request.getfixturevalue(fixture_name)
     hf = _load_hf(path)
