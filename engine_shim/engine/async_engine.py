@@ -29,7 +29,8 @@ from .api import (
     UnavailableError,
 )
 from .config import EngineConfig
-from .llm_engine import EngineEvent, LLMEngine, SendFailed, SendReady
+from .disaggregation import EngineEvent, SendFailed, SendReady
+from .llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 

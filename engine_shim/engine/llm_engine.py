@@ -1,6 +1,7 @@
-"""The synchronous engine core: add_request / step / abort plus MicroServing's prep_recv,
-import_kv, remote_send (+ export_kv) and start_generate. Not thread-safe: one caller (the
-async adapter's engine thread, or a test) drives it.
+"""The synchronous engine core: add_request / step / abort and start_generate, over paged
+KV with continuous batching. MicroServing's receive and send half (prep_recv, import_kv,
+remote_send, export_kv) lives in disaggregation.py and is mixed in. Not thread-safe: one
+caller (the async adapter's engine thread, or a test) drives it.
 
 Every public call validates its input and raises a domain error (api.py) before it changes
 any state, so a bad call never harms other requests.
@@ -9,11 +10,8 @@ any state, so a bad call never harms other requests.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence as SequenceT
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import cast
 
 import torch
 
@@ -26,18 +24,22 @@ from .api import (
     FailedPreconditionError,
     FinishReason,
     GenerateOutput,
-    InvalidRequestError,
-    KVChunk,
     KVLayout,
-    NotFoundError,
     PreemptedError,
-    PrepRecvResult,
     RequestAbortedError,
     ResourceExhaustedError,
     SamplingParams,
 )
-from .block_manager import BlockManager, num_pages_for, slot_segments, slots_for_positions
+from .block_manager import BlockManager, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
+from .disaggregation import (
+    DisaggregationOps,
+    EngineEvent,
+    Reservation,
+    SendFailed,
+    SendJob,
+    SendReady,
+)
 from .kv_cache import KVCache
 from .model_runner import ModelRunner, RunResult
 from .request import Choice, GenerateRequest, add_token, finish_choice, take_delta
@@ -49,44 +51,10 @@ from .weights import DTYPES, build_model, model_fingerprint
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class SendReady:
-    """A remote_send job's KV of [begin, end) is computed and can be exported."""
+class LLMEngine(DisaggregationOps):
+    """The synchronous engine: generation here, the MicroServing send/receive half in
+    DisaggregationOps (disaggregation.py)."""
 
-    request_id: str
-
-
-@dataclass(frozen=True)
-class SendFailed:
-    request_id: str
-    error: Exception
-
-
-EngineEvent = GenerateOutput | SendReady | SendFailed
-
-
-@dataclass(eq=False)
-class Reservation:
-    """Pages prep_recv reserved for positions [0, end) of a prompt; [matched, end) await KV."""
-
-    request_id: str
-    token_ids: list[int]
-    end: int
-    prefix_matched_length: int
-    block_table: list[int]
-    expires_at: float
-    imported: bytearray = field(default_factory=bytearray)  # 1 per position in [matched, end)
-
-
-@dataclass(eq=False)
-class SendJob:
-    seq: Sequence
-    begin: int
-    end: int
-    is_ready: bool = False
-
-
-class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_config: ModelConfig = resolve_model_config(config.model)
@@ -143,10 +111,6 @@ class LLMEngine:
             or request_id in self._reservations
         )
 
-    def next_deadline(self) -> float | None:
-        """Monotonic time of the earliest reservation expiry (the async loop sleeps until it)."""
-        return min((r.expires_at for r in self._reservations.values()), default=None)
-
     def _pages_from_budget(self) -> int:
         per_page = KVCache.bytes_per_token(self.model_config, DTYPES[self.config.dtype]) * self.page_size
         return max(1, self.config.kv_cache_memory_mb * (1 << 20) // per_page)
@@ -197,125 +161,6 @@ class LLMEngine:
         self._requests[request_id] = request
         self.scheduler.add(seq)
 
-    def _check_reservation_covers(self, reservation: Reservation, ids: list[int], begin: int) -> None:
-        if ids[: reservation.end] != reservation.token_ids[: reservation.end]:
-            raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
-        if begin > reservation.end:
-            raise FailedPreconditionError(
-                f"begin={begin} is beyond the prep_recv window end={reservation.end}"
-            )
-        matched = reservation.prefix_matched_length
-        if begin > matched and not all(reservation.imported[: begin - matched]):
-            raise FailedPreconditionError(
-                f"KV of positions [{matched}, {begin}) has not been fully imported"
-            )
-
-    # ---- prep_recv / import ----
-    def prep_recv(
-        self,
-        request_id: str,
-        token_ids: SequenceT[int],
-        end: int,
-        sampling: SamplingParams | None = None,
-    ) -> PrepRecvResult:
-        request_id = validation.check_request_id(request_id)
-        ids = validation.check_token_ids(token_ids, self.vocab_size)
-        e = validation.check_prep_recv_end(end, len(ids))
-        if sampling is not None:
-            validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
-        if self.is_active(request_id):
-            raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(len(ids) + 1)
-        pages = self.block_manager.acquire_prefix(ids, e)
-        matched = len(pages) * self.page_size
-        missing = num_pages_for(e, self.page_size) - len(pages)
-        if not self.block_manager.can_allocate(missing):
-            self.block_manager.release(pages)
-            raise ResourceExhaustedError(f"not enough free KV pages to receive {e - matched} tokens")
-        pages += self.block_manager.allocate(missing)
-        self.block_manager.record_prefix_query(e, matched)
-        self._reservations[request_id] = Reservation(
-            request_id=request_id,
-            token_ids=ids[:e],
-            end=e,
-            prefix_matched_length=matched,
-            block_table=pages,
-            expires_at=time.monotonic() + self.config.reservation_ttl_s,
-            imported=bytearray(e - matched),
-        )
-        segments = slot_segments(slots_for_positions(pages, self.page_size, matched, e))
-        flat = [len(segments)] + [x for segment in segments for x in segment]
-        return PrepRecvResult(request_id, e, matched, tuple(flat))
-
-    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
-        reservation = self._reservations.get(request_id)
-        if reservation is None:
-            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
-        begin, n = chunk.begin, chunk.num_tokens
-        matched, end = reservation.prefix_matched_length, reservation.end
-        if n < 1 or begin < matched or begin + n > end:
-            raise InvalidRequestError(
-                f"KV chunk [{begin}, {begin + n}) outside the reserved window [{matched}, {end})"
-            )
-        self._check_chunk_data(chunk.data, n)
-        slots = slots_for_positions(reservation.block_table, self.page_size, begin, begin + n)
-        self.kv_cache.import_slots(slots, cast(torch.Tensor, chunk.data))
-        reservation.imported[begin - matched : begin - matched + n] = b"\x01" * n
-
-    def _check_chunk_data(self, data: object, num_tokens: int) -> None:
-        layout = self.kv_layout
-        expected = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
-        if not isinstance(data, torch.Tensor):
-            raise InvalidRequestError("KV chunk data must be a tensor")
-        if tuple(data.shape) != expected:
-            raise InvalidRequestError(f"KV chunk shape {tuple(data.shape)}, expected {expected}")
-        if data.dtype != DTYPES[self.config.dtype]:
-            raise InvalidRequestError(f"KV chunk dtype {data.dtype}, expected {self.config.dtype}")
-
-    # ---- remote_send ----
-    def remote_send(self, request_id: str, token_ids: SequenceT[int], begin: int, end: int) -> None:
-        """Start computing KV of prompt[:end]; a SendReady event says [begin, end) can be
-        exported with export_kv; release it with abort() once exported."""
-        request_id = validation.check_request_id(request_id)
-        ids = validation.check_token_ids(token_ids, self.vocab_size)
-        b, e = validation.check_remote_send_window(begin, end, len(ids))
-        if request_id in self._sends or request_id in self._requests:
-            raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(e)
-        seq = self._new_seq(request_id, ids[:e], e, SeqKind.SEND)
-        seq.is_disaggregated = True
-        self._sends[request_id] = SendJob(seq, b, e)
-        self.scheduler.add(seq)
-
-    def export_windows(self, request_id: str) -> list[tuple[int, int]]:
-        """(begin, num_tokens) chunks that cover a ready job's [begin, end)."""
-        job = self._ready_job(request_id)
-        size = self.config.kv_export_chunk_tokens
-        return [(p, min(size, job.end - p)) for p in range(job.begin, job.end, size)]
-
-    def export_kv(self, request_id: str, begin: int, num_tokens: int) -> KVChunk:
-        job = self._ready_job(request_id)
-        if num_tokens < 1 or begin < job.begin or begin + num_tokens > job.end:
-            raise InvalidRequestError(
-                f"export window [{begin}, {begin + num_tokens}) outside [{job.begin}, {job.end})"
-            )
-        slots = slots_for_positions(job.seq.block_table, self.page_size, begin, begin + num_tokens)
-        return KVChunk(begin=begin, num_tokens=num_tokens, data=self.kv_cache.export_slots(slots))
-
-    def finish_remote_send(self, request_id: str) -> None:
-        """Release a job after its KV went out: its computed pages go to the prefix cache."""
-        job = self._sends.pop(request_id, None)
-        if job is not None:
-            self._drop_seq(job.seq)
-
-    def _ready_job(self, request_id: str) -> SendJob:
-        job = self._sends.get(request_id)
-        if job is None:
-            raise NotFoundError(f"no remote_send job for request {request_id!r}")
-        if not job.is_ready:
-            raise FailedPreconditionError(f"remote_send {request_id!r} is still computing")
-        return job
-
     # ---- abort ----
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; True if it was active."""
@@ -338,14 +183,6 @@ class LLMEngine:
             found = True
             self.block_manager.release(reservation.block_table)
         return found
-
-    def reap_expired_reservations(self, now: float | None = None) -> list[str]:
-        now = time.monotonic() if now is None else now
-        expired = [r.request_id for r in self._reservations.values() if r.expires_at <= now]
-        for request_id in expired:
-            logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)
-            self.abort(request_id)
-        return expired
 
     # ---- the step ----
     def step(self) -> list[EngineEvent]:
@@ -563,20 +400,6 @@ class LLMEngine:
                 if isinstance(event, GenerateOutput):
                     outputs.setdefault(event.request_id, []).append(event)
         raise RuntimeError("engine did not finish within max_steps")
-
-    def run_remote_send(
-        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int
-    ) -> list[KVChunk]:
-        """remote_send + step until ready + export every chunk + release (other requests in
-        the engine advance too)."""
-        self.remote_send(request_id, token_ids, begin, end)
-        while not self._sends[request_id].is_ready:
-            failed = [e for e in self.step() if isinstance(e, SendFailed) and e.request_id == request_id]
-            if failed:
-                raise failed[0].error
-        chunks = [self.export_kv(request_id, b, n) for b, n in self.export_windows(request_id)]
-        self.finish_remote_send(request_id)
-        return chunks
 
     @torch.inference_mode()
     def warmup(self) -> None:

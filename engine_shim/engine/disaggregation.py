@@ -1,0 +1,258 @@
+"""The engine's MicroServing half: prep_recv / import_kv on the receiving engine and
+remote_send / export_kv on the sending one, with the reservations and send jobs they keep.
+
+`DisaggregationOps` is mixed into LLMEngine and shares its state (pages, scheduler, request
+tables); generation, stepping and abort stay in llm_engine.py. Like the rest of the core, it
+validates every call before it changes any state.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from . import validation
+from .api import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    GenerateOutput,
+    InvalidRequestError,
+    KVChunk,
+    KVLayout,
+    NotFoundError,
+    PrepRecvResult,
+    ResourceExhaustedError,
+    SamplingParams,
+)
+from .block_manager import BlockManager, num_pages_for, slot_segments, slots_for_positions
+from .config import EngineConfig
+from .kv_cache import KVCache
+from .scheduler import Scheduler
+from .sequence import SeqKind, Sequence
+from .weights import DTYPES
+
+if TYPE_CHECKING:
+    from .request import GenerateRequest
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SendReady:
+    """A remote_send job's KV of [begin, end) is computed and can be exported."""
+
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SendFailed:
+    request_id: str
+    error: Exception
+
+
+EngineEvent = GenerateOutput | SendReady | SendFailed
+
+
+@dataclass(eq=False)
+class Reservation:
+    """Pages prep_recv reserved for positions [0, end) of a prompt; [matched, end) await KV."""
+
+    request_id: str
+    token_ids: list[int]
+    end: int
+    prefix_matched_length: int
+    block_table: list[int]
+    expires_at: float
+    imported: bytearray = field(default_factory=bytearray)  # 1 per position in [matched, end)
+
+
+@dataclass(eq=False)
+class SendJob:
+    seq: Sequence
+    begin: int
+    end: int
+    is_ready: bool = False
+
+class DisaggregationOps:
+    """prep_recv / import_kv / remote_send / export_kv over LLMEngine's pages and queues."""
+
+    # State owned by LLMEngine.__init__, shared here.
+    config: EngineConfig
+    page_size: int
+    block_manager: BlockManager
+    kv_cache: KVCache
+    scheduler: Scheduler
+    max_context_length: int
+    _requests: dict[str, GenerateRequest]
+    _sends: dict[str, SendJob]
+    _reservations: dict[str, Reservation]
+
+    if TYPE_CHECKING:  # provided by LLMEngine
+
+        @property
+        def vocab_size(self) -> int: ...
+
+        @property
+        def kv_layout(self) -> KVLayout: ...
+
+        def is_active(self, request_id: str) -> bool: ...
+
+        def abort(self, request_id: str) -> bool: ...
+
+        def step(self) -> list[EngineEvent]: ...
+
+        def _check_fits_pool(self, num_tokens: int) -> None: ...
+
+        def _new_seq(self, request_id: str, ids: list[int], num_prompt: int, kind: SeqKind) -> Sequence: ...
+
+        def _drop_seq(self, seq: Sequence) -> None: ...
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time of the earliest reservation expiry (the async loop sleeps until it)."""
+        return min((r.expires_at for r in self._reservations.values()), default=None)
+
+    def _check_reservation_covers(self, reservation: Reservation, ids: list[int], begin: int) -> None:
+        if ids[: reservation.end] != reservation.token_ids[: reservation.end]:
+            raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
+        if begin > reservation.end:
+            raise FailedPreconditionError(
+                f"begin={begin} is beyond the prep_recv window end={reservation.end}"
+            )
+        matched = reservation.prefix_matched_length
+        if begin > matched and not all(reservation.imported[: begin - matched]):
+            raise FailedPreconditionError(
+                f"KV of positions [{matched}, {begin}) has not been fully imported"
+            )
+
+    # ---- prep_recv / import ----
+    def prep_recv(
+        self,
+        request_id: str,
+        token_ids: SequenceT[int],
+        end: int,
+        sampling: SamplingParams | None = None,
+    ) -> PrepRecvResult:
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        e = validation.check_prep_recv_end(end, len(ids))
+        if sampling is not None:
+            validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
+        if self.is_active(request_id):
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(len(ids) + 1)
+        pages = self.block_manager.acquire_prefix(ids, e)
+        matched = len(pages) * self.page_size
+        missing = num_pages_for(e, self.page_size) - len(pages)
+        if not self.block_manager.can_allocate(missing):
+            self.block_manager.release(pages)
+            raise ResourceExhaustedError(f"not enough free KV pages to receive {e - matched} tokens")
+        pages += self.block_manager.allocate(missing)
+        self.block_manager.record_prefix_query(e, matched)
+        self._reservations[request_id] = Reservation(
+            request_id=request_id,
+            token_ids=ids[:e],
+            end=e,
+            prefix_matched_length=matched,
+            block_table=pages,
+            expires_at=time.monotonic() + self.config.reservation_ttl_s,
+            imported=bytearray(e - matched),
+        )
+        segments = slot_segments(slots_for_positions(pages, self.page_size, matched, e))
+        flat = [len(segments)] + [x for segment in segments for x in segment]
+        return PrepRecvResult(request_id, e, matched, tuple(flat))
+
+    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
+        begin, n = chunk.begin, chunk.num_tokens
+        matched, end = reservation.prefix_matched_length, reservation.end
+        if n < 1 or begin < matched or begin + n > end:
+            raise InvalidRequestError(
+                f"KV chunk [{begin}, {begin + n}) outside the reserved window [{matched}, {end})"
+            )
+        self._check_chunk_data(chunk.data, n)
+        slots = slots_for_positions(reservation.block_table, self.page_size, begin, begin + n)
+        self.kv_cache.import_slots(slots, cast(torch.Tensor, chunk.data))
+        reservation.imported[begin - matched : begin - matched + n] = b"\x01" * n
+
+    def _check_chunk_data(self, data: object, num_tokens: int) -> None:
+        layout = self.kv_layout
+        expected = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+        if not isinstance(data, torch.Tensor):
+            raise InvalidRequestError("KV chunk data must be a tensor")
+        if tuple(data.shape) != expected:
+            raise InvalidRequestError(f"KV chunk shape {tuple(data.shape)}, expected {expected}")
+        if data.dtype != DTYPES[self.config.dtype]:
+            raise InvalidRequestError(f"KV chunk dtype {data.dtype}, expected {self.config.dtype}")
+
+    # ---- remote_send ----
+    def remote_send(self, request_id: str, token_ids: SequenceT[int], begin: int, end: int) -> None:
+        """Start computing KV of prompt[:end]; a SendReady event says [begin, end) can be
+        exported with export_kv; release it with abort() once exported."""
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        b, e = validation.check_remote_send_window(begin, end, len(ids))
+        if request_id in self._sends or request_id in self._requests:
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(e)
+        seq = self._new_seq(request_id, ids[:e], e, SeqKind.SEND)
+        seq.is_disaggregated = True
+        self._sends[request_id] = SendJob(seq, b, e)
+        self.scheduler.add(seq)
+
+    def export_windows(self, request_id: str) -> list[tuple[int, int]]:
+        """(begin, num_tokens) chunks that cover a ready job's [begin, end)."""
+        job = self._ready_job(request_id)
+        size = self.config.kv_export_chunk_tokens
+        return [(p, min(size, job.end - p)) for p in range(job.begin, job.end, size)]
+
+    def export_kv(self, request_id: str, begin: int, num_tokens: int) -> KVChunk:
+        job = self._ready_job(request_id)
+        if num_tokens < 1 or begin < job.begin or begin + num_tokens > job.end:
+            raise InvalidRequestError(
+                f"export window [{begin}, {begin + num_tokens}) outside [{job.begin}, {job.end})"
+            )
+        slots = slots_for_positions(job.seq.block_table, self.page_size, begin, begin + num_tokens)
+        return KVChunk(begin=begin, num_tokens=num_tokens, data=self.kv_cache.export_slots(slots))
+
+    def finish_remote_send(self, request_id: str) -> None:
+        """Release a job after its KV went out: its computed pages go to the prefix cache."""
+        job = self._sends.pop(request_id, None)
+        if job is not None:
+            self._drop_seq(job.seq)
+
+    def _ready_job(self, request_id: str) -> SendJob:
+        job = self._sends.get(request_id)
+        if job is None:
+            raise NotFoundError(f"no remote_send job for request {request_id!r}")
+        if not job.is_ready:
+            raise FailedPreconditionError(f"remote_send {request_id!r} is still computing")
+        return job
+
+    def reap_expired_reservations(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        expired = [r.request_id for r in self._reservations.values() if r.expires_at <= now]
+        for request_id in expired:
+            logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)
+            self.abort(request_id)
+        return expired
+
+    def run_remote_send(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int
+    ) -> list[KVChunk]:
+        """remote_send + step until ready + export every chunk + release (other requests in
+        the engine advance too)."""
+        self.remote_send(request_id, token_ids, begin, end)
+        while not self._sends[request_id].is_ready:
+            failed = [e for e in self.step() if isinstance(e, SendFailed) and e.request_id == request_id]
+            if failed:
+                raise failed[0].error
+        chunks = [self.export_kv(request_id, b, n) for b, n in self.export_windows(request_id)]
+        self.finish_remote_send(request_id)
+        return chunks
