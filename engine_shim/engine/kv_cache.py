@@ -33,16 +33,40 @@ class KVCache:
         return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
 
     def export_slots(self, slots: Sequence[int]) -> torch.Tensor:
-        """-> [num_layers, 2, n, num_kv_heads, head_dim], a contiguous CPU copy."""
-        index = torch.tensor(list(slots), dtype=torch.int64, device=self.kv.device)
-        return self.kv.index_select(2, index).to("cpu").contiguous()
+        """-> [num_layers, 2, n, num_kv_heads, head_dim], a contiguous CPU copy.
+
+        Copies runs of consecutive slots (a page's slots are consecutive) as slices:
+        index_select along the slot axis ran at under 1 GB/s on the CPU, slices at memcpy
+        speed."""
+        runs = _runs(slots)
+        if len(runs) == 1:
+            start, stop = runs[0]
+            # contiguous() copies the strided slice once; .to("cpu") is then a no-op on the
+            # CPU (the copy stays independent of the pool) and one transfer on CUDA.
+            return self.kv[:, :, start:stop].contiguous().to("cpu")
+        return torch.cat([self.kv[:, :, a:b] for a, b in runs], dim=2).to("cpu").contiguous()
 
     def import_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
         # data: [num_layers, 2, n, num_kv_heads, head_dim]
-        index = torch.tensor(list(slots), dtype=torch.int64, device=self.kv.device)
-        self.kv.index_copy_(2, index, data.to(device=self.kv.device, dtype=self.kv.dtype))
+        data = data.to(device=self.kv.device, dtype=self.kv.dtype)
+        offset = 0
+        for start, stop in _runs(slots):
+            self.kv[:, :, start:stop].copy_(data[:, :, offset : offset + stop - start])
+            offset += stop - start
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if not src:
             return
         self.import_slots(dst, self.kv.index_select(2, torch.tensor(list(src), device=self.kv.device)))
+
+
+def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
+    """[start, stop) ranges of consecutive slots, in order: [4, 5, 6, 9] -> [(4, 7), (9, 10)]."""
+    runs: list[tuple[int, int]] = []
+    for slot in slots:
+        if runs and runs[-1][1] == slot:
+            runs[-1] = (runs[-1][0], slot + 1)
+        else:
+            runs.append((slot, slot + 1))
+    return runs
+

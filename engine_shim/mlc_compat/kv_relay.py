@@ -126,7 +126,8 @@ class KVRelay:
         try:
             async for chunk in chunks:
                 for begin, num_tokens, raw in split_chunk(chunk, self._max_chunk_bytes):
-                    await self._post(url, request_id, metadata, begin, num_tokens, raw)
+                    # httpx sends bytes, not memoryviews: this path copies once more.
+                    await self._post(url, request_id, metadata, begin, num_tokens, bytes(raw))
                     num_bytes += len(raw)
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]
