@@ -36,7 +36,8 @@ def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> Iterator[tuple[int, i
     for offset in range(0, chunk.num_tokens, step):
         count = min(step, chunk.num_tokens - offset)
         piece = data[:, :, offset : offset + count].contiguous()
-        yield chunk.begin + offset, count, memoryview(piece.view(torch.uint8).numpy()).cast("B")
+        array = piece.view(torch.uint8).numpy()
+        yield chunk.begin + offset, count, array.data.cast("B")
 
 
 def chunk_from_bytes(begin: int, num_tokens: int, raw: bytes, layout: KVLayout) -> KVChunk:
