@@ -6,7 +6,15 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from router_stack import engine_alone, generate, greedy, router_settings, running_router
+from router_stack import (
+    engine_alone,
+    generate,
+    greedy,
+    kill_all,
+    router_settings,
+    running_router,
+    start_shims,
+)
 
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, router_pb2
@@ -102,3 +110,39 @@ async def test_token_id_input_matches_text_input(shims) -> None:
         )
     assert results["t"].token_ids == results["i"].token_ids
     assert results["t"].text == results["i"].text
+
+
+@pytest.fixture(scope="module")
+def uncached_shims():
+    """Two shims with the prefix cache off (`--enable-prefix-cache false`)."""
+    started = start_shims(["both", "both"], ["--enable-prefix-cache", "false"])
+    yield started
+    kill_all(started)
+
+
+@pytest.mark.parametrize("name", ["round-robin", "disagg-1p1d", "disagg-f0.1"])
+async def test_pattern_without_prefix_cache_matches_single_engine(uncached_shims, name: str) -> None:
+    roles, values = CONFIGS[name]
+    engines = [f"{shim.address}={role}" for shim, role in zip(uncached_shims, roles, strict=True)]
+    tokenizer = Tokenizer.from_model("tiny")
+    prompts = _prompts(f"nocache-{name}-{next(_ids)}")
+    async with running_router(Router(settings=router_settings(engines, **values))) as (_, stub):
+        passes = []
+        for _again in (False, True):  # the same prompts twice: nothing may be reused
+            requests = [
+                router_pb2.NewRequest(request_id=f"r{i}", text=p, sampling=greedy())
+                for i, p in enumerate(prompts)
+            ]
+            passes.append(await generate(stub, *requests))
+    expected = [
+        await engine_alone(uncached_shims[-1].address, tokenizer.encode(p), greedy(), f"alone-nc-{name}-{i}")
+        for i, p in enumerate(prompts)
+    ]
+    for results in passes:
+        for i, want in enumerate(expected):
+            got = results[f"r{i}"]
+            assert got.error is None and got.token_ids == want, (name, i, got.error)
+            if values["pattern"] == "round-robin":
+                assert got.done.usage.cached_tokens == 0, (name, i)
+            else:  # D never holds the prompt: every long request takes both engines
+                assert len(got.done.engines) == 2 or i == 2, (name, i)
