@@ -10,6 +10,18 @@ from pydantic import BaseModel
 
 DONE_EVENT = b"data: [DONE]\n\n"
 
+# JSON may carry these raw, but str.splitlines() (and clients built on it, e.g. httpx's
+# iter_lines) ends a line at each of them and would cut an event in two: send them escaped.
+_LINE_SEPARATORS = {"\u0085": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"}
+
+
+def _escape_line_separators(json_text: str) -> str:
+    if not any(c in json_text for c in _LINE_SEPARATORS):
+        return json_text
+    for raw, escaped in _LINE_SEPARATORS.items():
+        json_text = json_text.replace(raw, escaped)
+    return json_text
+
 
 def encode_event(payload: BaseModel | dict[str, Any]) -> bytes:
     """One SSE event carrying a JSON object (no spaces: the payload is on one line)."""
@@ -17,7 +29,7 @@ def encode_event(payload: BaseModel | dict[str, Any]) -> bytes:
         text = payload.model_dump_json()
     else:
         text = json.dumps(payload, separators=(",", ":"))
-    return b"data: " + text.encode() + b"\n\n"
+    return b"data: " + _escape_line_separators(text).encode() + b"\n\n"
 
 
 async def frame(events: AsyncIterator[BaseModel | dict[str, Any]]) -> AsyncIterator[bytes]:
@@ -63,5 +75,6 @@ class ChunkTemplate:
     def encode(self, index: int, text: str, finish_reason: str | None) -> bytes:
         reason = b"null" if finish_reason is None else b'"' + finish_reason.encode() + b'"'
         return b"".join((self._head, str(index).encode(), self._middle,
-                         json.dumps(text, ensure_ascii=False, separators=(",", ":")).encode(),
+                         _escape_line_separators(
+                             json.dumps(text, ensure_ascii=False, separators=(",", ":"))).encode(),
                          self._before_reason, reason, self._after_reason))

@@ -164,7 +164,8 @@ def test_settings_read_keys_from_env_and_reject_unknown_variables(
         reject_unknown_env({"MICROSERVING_GATEWAY_TYPO": "1"})
 
 
-@pytest.mark.parametrize("text", ["x", "", 'quote " and \\ backslash', "é ü 你好 🙂", "\n\t\x00"])
+@pytest.mark.parametrize("text", ["x", "", 'quote " and \\ backslash', "é ü 你好 🙂", "\n\t\x00",
+                                  "line\u2028sep\x85nel\u2029"])
 @pytest.mark.parametrize("reason", [None, "stop", "length"])
 def test_chunk_template_renders_exactly_what_pydantic_renders(text: str,
                                                               reason: str | None) -> None:
@@ -186,6 +187,9 @@ def test_chunk_template_renders_exactly_what_pydantic_renders(text: str,
         assert parse_events(fast) == parse_events(encode_event(build(3, text, reason)))
         if text.isascii() and "\x00" not in text:
             assert fast == encode_event(build(3, text, reason))
+        # One event, one line, even for clients that split with str.splitlines().
+        for event in (fast, encode_event(build(3, text, reason))):
+            assert len(event.decode().rstrip("\n").splitlines()) == 1
 
 
 def test_cli_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
