@@ -55,7 +55,8 @@ def chunk_from_bytes(begin: int, num_tokens: int, raw: bytes, layout: KVLayout) 
 
 
 def _varint(value: int) -> bytes:
-    """Protobuf's base-128 varint of a non-negative int."""
+    """Protobuf's base-128 varint of a non-negative int (the runtime keeps its encoder in the
+    private google.protobuf.internal module, so it is not imported)."""
     out = bytearray()
     while value > 0x7F:
         out.append((value & 0x7F) | 0x80)
