@@ -141,45 +141,36 @@ def add_port(server: aio.Server, address: str, settings: TransportSettings) -> i
     return server.add_secure_port(address, credentials)
 
 
-class _TokenCallCredentials(grpc.AuthMetadataPlugin):
-    def __init__(self, token: str) -> None:
-        self._metadata = ((TOKEN_METADATA_KEY, f"Bearer {token}"),)
-
-    def __call__(
-        self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback
-    ) -> None:
-        callback(self._metadata, None)
-
-
 def create_channel(
     address: str,
     settings: TransportSettings,
     extra_options: Sequence[tuple[str, Any]] = (),
 ) -> aio.Channel:
-    """A grpc.aio channel to `address`. With TLS the token travels as call credentials; on
-    an insecure channel `token_interceptors` add it to every call. Without a token no
-    interceptor is installed (they cost time on every streamed message)."""
+    """A grpc.aio channel to `address`; `token_interceptors` add the token, if any, to every
+    call, over TLS as over plaintext. Without a token no interceptor is installed (they cost
+    time on every streamed message).
+
+    The token is deliberately not sent as `grpc.metadata_call_credentials`: grpcio (1.85)
+    destroys such a Python auth plugin from a core thread that takes the GIL while the
+    closing thread holds the GIL inside `grpc_channel_destroy`, an AB-BA deadlock that froze
+    a whole process (CI hung in a test closing mTLS channels after failed handshakes; see
+    grpc/grpc PR 42247)."""
     options = [*_size_options(settings), *extra_options]
     if settings.tls_server_name:
         options.append(("grpc.ssl_target_name_override", settings.tls_server_name))
+    interceptors: list[Any] = token_interceptors(settings.token) if settings.token else []
     if not settings.is_tls:
-        interceptors: list[Any] = token_interceptors(settings.token) if settings.token else []
         return aio.insecure_channel(address, options=options, interceptors=interceptors)
     credentials = grpc.ssl_channel_credentials(
         root_certificates=_read(settings.tls_ca),
         private_key=_read(settings.tls_key),
         certificate_chain=_read(settings.tls_cert),
     )
-    if settings.token:
-        credentials = grpc.composite_channel_credentials(
-            credentials, grpc.metadata_call_credentials(_TokenCallCredentials(settings.token))
-        )
-    return aio.secure_channel(address, credentials, options=options)
+    return aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
 
 
 class _TokenMetadata:
-    """Adds the bearer token to a call's metadata (insecure channels; TLS uses call
-    credentials instead)."""
+    """Adds the bearer token to a call's metadata."""
 
     def __init__(self, token: str | None) -> None:
         self._pair = (TOKEN_METADATA_KEY, f"Bearer {token}")
