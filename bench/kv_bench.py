@@ -85,6 +85,10 @@ async def _measure(
     ):
         p_stub, d_stub = engine_pb2_grpc.EngineStub(pc), engine_pb2_grpc.EngineStub(dc)
         for n in token_counts:
+            # n + 1 prompt tokens, end=-1: the window is n tokens, whole pages when n is a
+            # multiple of the page size, so after the cold run P's prefix cache holds all of
+            # it and a warm RemoteSend computes nothing (a partial last page would be
+            # recomputed every time and measured as transfer).
             tokens = [(i * 7919) % 256 for i in range(n + 1)]
             _, cold_s = await _transfer(p_stub, d_stub, f"cold-{n}", tokens)
             best_s, num_bytes = float("inf"), 0
@@ -110,7 +114,9 @@ async def _measure(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-100m")
-    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
+    # KV tokens moved (the prompt is one longer). 8176 = 511 pages of 16: the largest whole-page
+    # window whose prompt fits the 8192-token context with a position left to generate.
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8176])
     parser.add_argument("--num-pages", type=int, default=1200)
     parser.add_argument("--device", default="cpu", help="cpu | cuda (KV moves device -> host -> device)")
     parser.add_argument("--dtype", default="auto")

@@ -40,7 +40,9 @@ def split_chunk(chunk: KVChunk, max_payload_bytes: int) -> Iterator[tuple[int, i
         yield chunk.begin + offset, count, array.data.cast("B")
 
 
-def chunk_from_bytes(begin: int, num_tokens: int, raw: bytes, layout: KVLayout) -> KVChunk:
+def chunk_from_bytes(
+    begin: int, num_tokens: int, raw: bytes | memoryview, layout: KVLayout
+) -> KVChunk:
     expected = num_tokens * bytes_per_token(layout)
     if num_tokens < 1 or len(raw) != expected:
         raise InvalidRequestError(
@@ -86,3 +88,63 @@ def encode_chunk_request(begin: int, num_tokens: int, raw: bytes | memoryview) -
         fields += (b"\x1a", _varint(len(raw)), raw)  # KVChunkData.data = 3, bytes
     inner_length = sum(len(f) for f in fields)
     return b"".join((b"\x12", _varint(inner_length), *fields))  # PushKVRequest.chunk = 2
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _read_varint(data: memoryview, pos: int) -> tuple[int, int]:
+    """(value, next position) of the varint at `pos`; IndexError past the end."""
+    value, shift = 0, 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
+        if shift > 63:
+            raise ValueError("varint longer than 10 bytes")
+
+
+def decode_chunk_request(raw: bytes) -> tuple[int, int, memoryview] | None:
+    """(begin, num_tokens, data) of a serialised `PushKVRequest` holding a chunk, with `data`
+    a view into `raw` (no copy); None for anything else — a header, other or unknown fields,
+    negative or oversized numbers, malformed bytes — which the caller hands to the protobuf
+    runtime instead, so it decides exactly as generated code would.
+
+    The inverse of `encode_chunk_request`, also hand-written for speed: the runtime's parse
+    copies the payload into its arena and `.data` copies it again into a new bytes object
+    (two 16 MiB copies per message, most of the receiver's time); this reads the framing
+    and returns a view. Fields may come in any order and repeat (last wins), as protobuf
+    allows.
+    """
+    view = memoryview(raw)
+    try:
+        if len(view) < 2 or view[0] != 0x12:  # PushKVRequest.chunk = 2, length-delimited
+            return None
+        inner_length, pos = _read_varint(view, 1)
+        if pos + inner_length != len(view):
+            return None
+        begin, num_tokens, data = 0, 0, view[0:0]
+        while pos < len(view):
+            tag = view[pos]
+            pos += 1
+            if tag in (0x08, 0x10):  # begin = 1, num_tokens = 2 (varints)
+                value, pos = _read_varint(view, pos)
+                if value > _INT32_MAX:
+                    return None
+                if tag == 0x08:
+                    begin = value
+                else:
+                    num_tokens = value
+            elif tag == 0x1A:  # data = 3, bytes
+                length, pos = _read_varint(view, pos)
+                if pos + length > len(view):
+                    return None
+                data, pos = view[pos : pos + length], pos + length
+            else:
+                return None
+    except (IndexError, ValueError):
+        return None
+    return begin, num_tokens, data

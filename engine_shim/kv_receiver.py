@@ -11,6 +11,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import grpc
+from google.protobuf.message import DecodeError
 from grpc import aio
 
 from engine_shim.convert import layout_from_pb
@@ -23,8 +25,10 @@ from engine_shim.engine.api import (
     NotFoundError,
 )
 from engine_shim.errors import map_errors
-from engine_shim.kv_codec import chunk_from_bytes
+from engine_shim.kv_codec import chunk_from_bytes, decode_chunk_request
 from microserving.v1 import engine_pb2, engine_pb2_grpc
+
+KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
 @dataclass
@@ -82,19 +86,54 @@ def check_layout(theirs: KVLayout, ours: KVLayout) -> None:
         raise FailedPreconditionError(f"incompatible KV layout: {', '.join(fields)} differ")
 
 
+def _parse_request(raw: bytes) -> engine_pb2.PushKVRequest:
+    try:
+        return engine_pb2.PushKVRequest.FromString(raw)
+    except DecodeError:
+        raise InvalidRequestError("a PushKV message is not a valid PushKVRequest") from None
+
+
+def _chunk_fields(raw: bytes) -> tuple[int, int, bytes | memoryview]:
+    """(begin, num_tokens, data) of a chunk message: by the copy-free decoder, or, for any
+    encoding it leaves alone, by the protobuf runtime."""
+    fields = decode_chunk_request(raw)
+    if fields is not None:
+        return fields
+    message = _parse_request(raw)
+    if message.WhichOneof("payload") != "chunk":
+        raise InvalidRequestError("only chunks may follow the PushKV header")
+    return message.chunk.begin, message.chunk.num_tokens, message.chunk.data
+
+
 class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
+    """Receives PushKV streams as the raw bytes of each message (see `add_to_server`)."""
+
     def __init__(self, table: ReceiveTable, sink: KVSink) -> None:
         self._table = table
         self._sink = sink
 
+    def add_to_server(self, server: aio.Server) -> None:
+        """Registers KVTransfer like the generated `add_KVTransferServicer_to_server`, except
+        that PushKV's messages arrive undeserialised: `_chunk_fields` reads the KV payload as
+        a view of gRPC's buffer instead of the runtime's two copies of it."""
+        handler = grpc.stream_unary_rpc_method_handler(
+            self.PushKV,
+            request_deserializer=None,  # bytes as received
+            response_serializer=engine_pb2.PushKVResponse.SerializeToString,
+        )
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, {"PushKV": handler}),)
+        )
+
     @map_errors
-    async def PushKV(
+    async def PushKV(  # type: ignore[override]
         self,
-        request_iterator: AsyncIterator[engine_pb2.PushKVRequest],
+        request_iterator: AsyncIterator[bytes],
         context: aio.ServicerContext,
     ) -> engine_pb2.PushKVResponse:
         messages = aiter(request_iterator)
-        first = await anext(messages, None)
+        raw_first = await anext(messages, None)
+        first = None if raw_first is None else _parse_request(raw_first)
         if first is None or first.WhichOneof("payload") != "header":
             raise InvalidRequestError("a PushKV stream must start with its header")
         header = first.header
@@ -113,7 +152,7 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         )
 
     async def _receive(
-        self, request_id: str, ticket: Ticket, messages: AsyncIterator[engine_pb2.PushKVRequest]
+        self, request_id: str, ticket: Ticket, messages: AsyncIterator[bytes]
     ) -> int:
         position, num_bytes = ticket.begin, 0
         # One import in flight while the next message is read: the engine thread writes
@@ -121,9 +160,9 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         # order, so chunks land in order).
         importing: asyncio.Future[None] | None = None
         try:
-            async for message in messages:
+            async for raw in messages:
                 position, num_bytes, importing = await self._accept(
-                    request_id, ticket, message, position, num_bytes, importing
+                    request_id, ticket, raw, position, num_bytes, importing
                 )
             if importing is not None:
                 await importing
@@ -136,20 +175,18 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         return num_bytes
 
     async def _accept(
-        self, request_id: str, ticket: Ticket, message: engine_pb2.PushKVRequest,
+        self, request_id: str, ticket: Ticket, raw: bytes,
         position: int, num_bytes: int, importing: asyncio.Future[None] | None,
     ) -> tuple[int, int, asyncio.Future[None]]:
         """Check one message, wait for the previous import, start this one's."""
-        if message.WhichOneof("payload") != "chunk":
-            raise InvalidRequestError("only chunks may follow the PushKV header")
-        chunk = message.chunk
-        if chunk.begin != position or chunk.begin + chunk.num_tokens > ticket.end:
+        begin, num_tokens, data = _chunk_fields(raw)
+        if begin != position or begin + num_tokens > ticket.end:
             raise InvalidRequestError(
-                f"chunk [{chunk.begin}, {chunk.begin + chunk.num_tokens}) does not continue "
+                f"chunk [{begin}, {begin + num_tokens}) does not continue "
                 f"the reserved window at {position} (end {ticket.end})"
             )
-        kv = chunk_from_bytes(chunk.begin, chunk.num_tokens, chunk.data, self._sink.kv_layout)
+        kv = chunk_from_bytes(begin, num_tokens, data, self._sink.kv_layout)
         if importing is not None:
             await importing
         next_import = asyncio.ensure_future(self._sink.import_kv(request_id, kv))
-        return position + chunk.num_tokens, num_bytes + len(chunk.data), next_import
+        return position + num_tokens, num_bytes + len(data), next_import

@@ -12,6 +12,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from engine_shim.backend import Backend
+from engine_shim.kv_receiver import KV_TRANSFER_SERVICE
 from engine_shim.requests import RequestTracker
 from engine_shim.servicer import EngineServicer
 from engine_shim.settings import ShimSettings
@@ -21,7 +22,6 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
-KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
 def make_backend(settings: ShimSettings) -> Backend:
@@ -60,7 +60,7 @@ class ShimServer:
         engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, server)
         kv_servicer = getattr(self.backend, "kv_transfer_servicer", None)
         if kv_servicer is not None:
-            engine_pb2_grpc.add_KVTransferServicer_to_server(kv_servicer(), server)
+            kv_servicer().add_to_server(server)
             self._service_names.append(KV_TRANSFER_SERVICE)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [

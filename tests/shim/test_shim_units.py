@@ -220,3 +220,50 @@ def test_hand_encoded_kv_chunk_is_exactly_protobufs_encoding(begin, num_tokens, 
     assert encode_chunk_request(begin, num_tokens, raw) == expected
     parsed = engine_pb2.PushKVRequest.FromString(encode_chunk_request(begin, num_tokens, raw))
     assert (parsed.chunk.begin, parsed.chunk.num_tokens, parsed.chunk.data) == (begin, num_tokens, raw)
+
+
+@pytest.mark.parametrize("begin,num_tokens,size", [(0, 0, 0), (5, 256, 1 << 20), (300, 1, 7)])
+def test_copy_free_chunk_decoder_reads_what_protobuf_writes(begin, num_tokens, size):
+    from engine_shim.kv_codec import decode_chunk_request
+    from microserving.v1 import engine_pb2
+
+    raw = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    wire = engine_pb2.PushKVRequest(
+        chunk=engine_pb2.KVChunkData(begin=begin, num_tokens=num_tokens, data=raw)
+    ).SerializeToString()
+    decoded = decode_chunk_request(wire)
+    assert decoded is not None
+    assert (decoded[0], decoded[1], bytes(decoded[2])) == (begin, num_tokens, raw)
+    assert isinstance(decoded[2], memoryview) and decoded[2].obj is wire  # a view, no copy
+
+
+def test_copy_free_chunk_decoder_takes_any_field_order_and_last_value_wins():
+    from engine_shim.kv_codec import _varint, decode_chunk_request
+    from microserving.v1 import engine_pb2
+
+    fields = b"\x1a\x03abc" + b"\x10\x07" + b"\x08" + _varint(300) + b"\x10\x09"
+    wire = b"\x12" + _varint(len(fields)) + fields
+    parsed = engine_pb2.PushKVRequest.FromString(wire).chunk
+    decoded = decode_chunk_request(wire)
+    assert decoded is not None
+    assert (decoded[0], decoded[1], bytes(decoded[2])) == (parsed.begin, parsed.num_tokens, parsed.data)
+    assert decoded[:2] == (300, 9)
+
+
+@pytest.mark.parametrize(
+    "wire",
+    [
+        b"",
+        b"\x0a\x00",  # a header, not a chunk
+        b"\x12\x05\x08\x01",  # length runs past the end
+        b"\x12\x02\x08\x01\x00",  # trailing bytes after the chunk
+        b"\x12\x02\x20\x01",  # unknown field 4
+        b"\x12\x0b\x08" + b"\xff" * 9 + b"\x01",  # begin = -1 (ten-byte varint)
+        b"\x12\x03\x1a\x05ab",  # data longer than the message
+        b"\x12\x01\x08",  # truncated varint
+    ],
+)
+def test_copy_free_chunk_decoder_leaves_everything_else_to_protobuf(wire):
+    from engine_shim.kv_codec import decode_chunk_request
+
+    assert decode_chunk_request(wire) is None
