@@ -11,6 +11,7 @@ import sys
 
 from pydantic import ValidationError
 
+from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
 
 logger = logging.getLogger("engine_shim")
@@ -95,5 +96,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(
         level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
     )
+    if settings.tune_malloc:
+        tune_for_large_buffers()
     asyncio.run(run(settings))
     return 0

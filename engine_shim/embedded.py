@@ -40,6 +40,7 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
         prefill_chunk_size=settings.prefill_chunk_size,
         enable_prefix_cache=settings.enable_prefix_cache,
         cuda_graphs=settings.cuda_graphs,
+        kv_export_chunk_bytes=settings.kv_push_chunk_bytes,  # one export = one PushKV message
     )
 
 

@@ -181,6 +181,9 @@ class EngineConfig:
     reservation_ttl_s: float = 30.0  # prep_recv reservations not followed up are reclaimed
     seed: int = 0  # weights of presets and the default sampling generator
     kv_export_chunk_tokens: int = 256  # remote_send hands KV over in chunks of this many tokens
+    # When set, chunks of as many whole tokens as fit these bytes instead (at least one):
+    # the shim matches its message size so chunks go out without being split and re-copied.
+    kv_export_chunk_bytes: int | None = None
     max_context_length: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode steps
     extra: dict[str, str] = field(default_factory=dict)  # reserved; must stay empty
@@ -196,6 +199,8 @@ class EngineConfig:
             raise ValueError("max_num_seqs and prefill_chunk_size must be >= 1")
         if self.kv_export_chunk_tokens < 1:
             raise ValueError("kv_export_chunk_tokens must be >= 1")
+        if self.kv_export_chunk_bytes is not None and self.kv_export_chunk_bytes < 1:
+            raise ValueError("kv_export_chunk_bytes must be >= 1")
         if self.extra:
             raise ValueError(f"unknown engine options: {sorted(self.extra)}")
 

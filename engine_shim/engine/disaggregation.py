@@ -210,6 +210,8 @@ class DisaggregationOps:
         """(begin, num_tokens) chunks that cover a ready job's [begin, end)."""
         job = self._ready_job(request_id)
         size = self.config.kv_export_chunk_tokens
+        if self.config.kv_export_chunk_bytes is not None:
+            size = max(1, self.config.kv_export_chunk_bytes // self.kv_cache.token_bytes)
         return [(p, min(size, job.end - p)) for p in range(job.begin, job.end, size)]
 
     def export_kv(self, request_id: str, begin: int, num_tokens: int) -> KVChunk:

@@ -27,6 +27,11 @@ class KVCache:
         shape = (config.num_layers, 2, self.num_slots + page_size, config.num_kv_heads, config.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
 
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one position's KV over all layers (keys and values)."""
+        return self.kv[:, :, 0].numel() * self.kv.element_size()
+
     @staticmethod
     def bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
         element = torch.empty((), dtype=dtype).element_size()

@@ -104,3 +104,29 @@ async def test_abort_from_outside_ends_the_generate_stream(engines) -> None:
             assert await decode.abort("victim") is True
     assert outputs[-1].is_finished
     assert outputs[-1].deltas[-1].finish_reason.value == "abort"
+
+
+async def test_export_chunks_by_bytes_hold_as_many_whole_tokens_as_fit() -> None:
+    """kv_export_chunk_bytes (what the shim sets to its PushKV message size) sizes chunks by
+    the pool's bytes per token, and PD over such chunks stays token-exact."""
+    from engine_shim.kv_codec import bytes_per_token
+
+    decode = AsyncEngine(EngineConfig(num_pages=128))
+    await decode.start()
+    token_bytes = bytes_per_token(decode.kv_layout)
+    prefill = AsyncEngine(EngineConfig(num_pages=128, kv_export_chunk_bytes=3 * token_bytes + 1))
+    await prefill.start()
+    try:
+        ids = random_prompt(2, 40)
+        expected = await _tokens(decode.generate("alone", ids, 0, GREEDY))
+        recv = await decode.prep_recv("pd", ids, -1)
+        sizes = []
+        async for chunk in prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end):
+            sizes.append(chunk.num_tokens)
+            assert chunk.data.numel() * chunk.data.element_size() == chunk.num_tokens * token_bytes
+            await decode.import_kv("pd", chunk)
+        assert sum(sizes) == recv.end - recv.prefix_matched_length
+        assert set(sizes[:-1]) == {3} and 1 <= sizes[-1] <= 3
+        assert await _tokens(decode.generate("pd", ids, recv.end, GREEDY)) == expected
+    finally:
+        await asyncio.gather(prefill.shutdown(), decode.shutdown())
