@@ -92,10 +92,13 @@ async def _measure(
             # recomputed every time and measured as transfer).
             tokens = [(i * 7919) % 256 for i in range(n + 1)]
             cold_bytes, cold_s = await _transfer(p_stub, d_stub, f"cold-{n}", tokens)
-            # Warm runs take the KV from P's prefix cache: the transfer alone. Enough of them
-            # for a median (about 0.5 GB moved per size, at least 5 runs).
+            # Warm runs take the KV from P's prefix cache: the transfer alone. Two untimed
+            # ones first (gRPC's and malloc's buffers reach their steady size), then enough
+            # for a median: about 1 GiB moved per size, at least 5 runs.
+            for i in range(2):
+                await _transfer(p_stub, d_stub, f"warmup-{n}-{i}", tokens)
             times, num_bytes = [], 0
-            for i in range(max(5, (1 << 29) // max(1, cold_bytes))):
+            for i in range(max(5, (1 << 30) // max(1, cold_bytes))):
                 num_bytes, elapsed = await _transfer(p_stub, d_stub, f"warm-{n}-{i}", tokens)
                 times.append(elapsed)
             median_s, best_s = statistics.median(times), min(times)
