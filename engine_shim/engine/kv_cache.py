@@ -26,12 +26,6 @@ class KVCache:
         self.scratch_slot = self.num_slots  # first slot of the scratch page
         shape = (config.num_layers, 2, self.num_slots + page_size, config.num_kv_heads, config.head_dim)
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
-        if self.kv.device.type == "cpu":
-            # Fault the pool in now: a large torch.zeros on the CPU is calloc'd fresh pages
-            # the kernel maps on first write, so each page's first prefill or KV import would
-            # otherwise also pay a fault and zeroing (kv_bench's first transfers into untouched
-            # pages ran about 20% slower). The pool is the engine's reserved memory anyway.
-            self.kv.zero_()
 
     @property
     def token_bytes(self) -> int:
