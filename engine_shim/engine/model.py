@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import triton_fused
 from .attention import AttnContext, paged_attention, write_kv
 from .config import ModelConfig
 
@@ -84,17 +85,51 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
         self.scale = config.head_dim**-0.5
+        self.q_size, self.kv_size = q_size, kv_size
+        # One [Hq*D + 2*Hkv*D, H] matrix once fuse() ran: q/k/v_proj.weight are views of it.
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        """Concatenate q/k/v into one GEMM; the three Linear weights become views of it, so
+        the state dict (and its names) is unchanged and no memory is held twice."""
+        self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
+        if self.q_proj.bias is not None:
+            self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
         k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            q_flat, k_flat, v_flat = qkv.split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        else:
+            q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q_flat.reshape(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        v = v_flat.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         write_kv(k_cache, v_cache, k, v, ctx.slot_mapping)
+        out = paged_attention(q, k_cache, v_cache, ctx, self.scale)
+        return self.o_proj(out.reshape(num_tokens, -1))
+
+    def forward_fused(
+        self, x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: AttnContext,
+    ) -> torch.Tensor:
+        """The Triton path (after fuse()): one GEMM for q/k/v, one kernel for RoPE and the
+        K/V writes, then the attention kernel reading q straight out of the qkv rows."""
+        assert self.qkv_weight is not None
+        num_tokens = x.shape[0]
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2 Hkv) * D]
+        triton_fused.rope_and_write_kv(
+            qkv, positions, inv_freq, k_cache, v_cache, ctx.slot_mapping,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+        )
+        q = qkv[:, : self.q_size].view(num_tokens, self.num_heads, self.head_dim)
         out = paged_attention(q, k_cache, v_cache, ctx, self.scale)
         return self.o_proj(out.reshape(num_tokens, -1))
 
@@ -105,9 +140,42 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # [2I, H] once fuse() ran
+
+    @torch.no_grad()
+    def fuse(self) -> None:
+        self.gate_up_weight = _fuse_linears(self.gate_proj, self.up_proj)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is not None:
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.gate_up_weight is not None
+        return self.down_proj(triton_fused.silu_mul(F.linear(x, self.gate_up_weight)))
+
+
+def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
+    fused = torch.cat([linear.weight for linear in linears], dim=0)
+    start = 0
+    for linear in linears:
+        rows = linear.weight.shape[0]
+        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
+
+
+def _fuse_biases(*linears: nn.Linear) -> torch.Tensor:
+    fused = torch.cat([linear.bias for linear in linears], dim=0)
+    start = 0
+    for linear in linears:
+        rows = linear.bias.shape[0]
+        linear.bias = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        start += rows
+    return fused
 
 
 class DecoderLayer(nn.Module):
@@ -146,16 +214,50 @@ class CausalLM(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.use_fused_kernels = False
+
+    def fuse(self, use_fused_kernels: bool) -> None:
+        """Fuse the q/k/v and gate/up projections (on every device: fewer, larger GEMMs), and
+        with `use_fused_kernels` run the Triton kernels of triton_fused.py (CUDA). Call it
+        last: moving the module to another device or dtype afterwards would copy the fused
+        weights' views apart."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+        self.use_fused_kernels = use_fused_kernels
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
         ctx: AttnContext,
     ) -> torch.Tensor:
+        if self.use_fused_kernels:
+            return self._forward_fused(input_ids, positions, kv_cache, ctx)
         x = self.model.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, kv_cache[i, 0], kv_cache[i, 1], ctx)
         return self.model.norm(x)
+
+    def _forward_fused(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+        ctx: AttnContext,
+    ) -> torch.Tensor:
+        # The residual chain: each norm also adds the previous block's output into the
+        # residual stream, so a layer is 2 norms, 4 GEMMs, RoPE+KV, attention and SiLU.
+        inv_freq = self.model.rotary_emb.inv_freq
+        residual = self.model.embed_tokens(input_ids)  # [T, H]
+        layers = self.model.layers
+        h = triton_fused.add_rms_norm(
+            residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps
+        )
+        for i, layer in enumerate(layers):
+            attn = layer.self_attn.forward_fused(h, positions, inv_freq, kv_cache[i, 0], kv_cache[i, 1], ctx)
+            norm = layer.post_attention_layernorm
+            h = triton_fused.add_rms_norm(attn, norm.weight, norm.eps, residual)
+            mlp = layer.mlp.forward_fused(h)
+            norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            h = triton_fused.add_rms_norm(mlp, norm.weight, norm.eps, residual)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] -> [N, V] in fp32 so sampling math does not depend on the model dtype.

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from . import triton_fused
 from .config import ModelConfig
 from .model import CausalLM, rope_inv_freq
 
@@ -39,7 +40,9 @@ def build_model(
     model = model.to(device=device, dtype=DTYPES[dtype])
     # inv_freq stays fp32: RoPE angles in low precision drift at long positions.
     model.model.rotary_emb.inv_freq = model.model.rotary_emb.inv_freq.float()
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    model.fuse(use_fused_kernels=triton_fused.supports(config, device))
+    return model
 
 
 def init_random_weights(model: CausalLM, config: ModelConfig, seed: int) -> None:
