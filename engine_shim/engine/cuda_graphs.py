@@ -6,9 +6,11 @@ sequences replays the smallest bucket >= B with the extra rows padded. Padded ro
 K/V into a scratch slot that belongs to no page of the pool and attend over that slot alone,
 so they never touch a real sequence's KV.
 
-All metadata lives in static tensors (token ids, positions, slot mapping, block tables,
-context lengths) that are filled before each replay; the decode attention kernel reads its
-loop bounds from them on the device.
+All metadata lives in static tensors (token ids, positions, slot mapping, context lengths,
+block tables), views of one int64 device buffer that a single copy from a pinned host buffer
+fills before each replay (one transfer a step instead of five copies and five fills); the
+decode attention kernel reads its loop bounds from them on the device. The graph also takes
+the argmax of every row, so a greedy step reads back only the token ids.
 """
 
 from __future__ import annotations
@@ -29,6 +31,18 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 class _Captured:
     graph: torch.cuda.CUDAGraph
     logits: torch.Tensor  # [bucket, vocab] fp32, written by the replay
+    argmax: torch.Tensor  # [bucket] int64, argmax of each logits row
+
+
+@dataclass
+class DecodeInputs:
+    """One decode step's metadata as Python ints, for B live rows."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slot_mapping: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
 
 
 class DecodeGraphRunner:
@@ -43,11 +57,22 @@ class DecodeGraphRunner:
         self.buckets = tuple(b for b in buckets if b <= max_batch) or (max_batch,)
         device = kv.device
         size = self.buckets[-1]
-        self.input_ids = torch.zeros(size, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(size, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((size,), scratch_slot, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros(size, max_pages_per_seq, dtype=torch.int32, device=device)
-        self.context_lens = torch.ones(size, dtype=torch.int32, device=device)
+        self.max_pages_per_seq = max_pages_per_seq
+        # Layout: ids | positions | slots | context lens (size each) | tables (size x pages).
+        # The rows of a bucket b are the first b of each vector and the first b table rows, so
+        # one copy of host[: 4 * size + b * pages] brings a step's metadata across.
+        numel = size * (4 + max_pages_per_seq)
+        self._host = torch.zeros(numel, dtype=torch.int64, pin_memory=True)
+        self._host_np = self._host.numpy()
+        self._device = torch.zeros(numel, dtype=torch.int64, device=device)
+        self._copied = torch.cuda.Event()
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens = (
+            self._device[i * size : (i + 1) * size] for i in range(4)
+        )
+        self.block_tables = self._device[4 * size :].view(size, max_pages_per_seq)
+        h = self._host_np
+        self._h_ids, self._h_pos, self._h_slots, self._h_lens = (h[i * size : (i + 1) * size] for i in range(4))
+        self._h_tables = h[4 * size :].reshape(size, max_pages_per_seq)
         self._graphs: dict[int, _Captured] = {}
         self.num_replays = 0
         self._pool: Any = None  # the first graph's memory pool handle, shared by the others
@@ -62,14 +87,16 @@ class DecodeGraphRunner:
             paged_decode=PagedDecode(self.block_tables[:n], self.context_lens[:n], self.page_size),
         )
 
-    def _forward(self, n: int) -> torch.Tensor:
+    def _forward(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         hidden = self.model(self.input_ids[:n], self.positions[:n], self.kv, self._context(n))
-        return self.model.logits(hidden)
+        logits = self.model.logits(hidden)
+        return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
-        self._reset_padding(0)
+        self._fill_padding(0, self.max_batch)
+        self._upload(self.max_batch)
         # One stream for warm-up and capture, so the cuBLAS workspace a warm-up allocates is
         # the one the capture uses. Thread-local capture: the engine captures on its own
         # thread while the server's threads keep running (global mode would let any CUDA
@@ -85,40 +112,48 @@ class DecodeGraphRunner:
             with torch.cuda.graph(
                 graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
             ):
-                logits = self._forward(bucket)
+                logits, argmax = self._forward(bucket)
             self._pool = graph.pool()
-            self._graphs[bucket] = _Captured(graph, logits)
+            self._graphs[bucket] = _Captured(graph, logits, argmax)
         torch.cuda.synchronize()
 
-    def _reset_padding(self, start: int) -> None:
-        # Rows past the live batch: scratch slot, scratch page, one visible key.
-        self.slot_mapping[start:].fill_(self.scratch_slot)
-        self.block_tables[start:].fill_(self.scratch_slot // self.page_size)
-        self.context_lens[start:].fill_(1)
-        self.positions[start:].zero_()
-        self.input_ids[start:].zero_()
+    def _fill_padding(self, start: int, end: int) -> None:
+        # Host rows [start, end) past the live batch: scratch slot, scratch page, one key.
+        self._h_ids[start:end] = 0
+        self._h_pos[start:end] = 0
+        self._h_slots[start:end] = self.scratch_slot
+        self._h_lens[start:end] = 1
+        self._h_tables[start:end, 0] = self.scratch_slot // self.page_size
+
+    def _upload(self, bucket: int) -> None:
+        numel = 4 * self.max_batch + bucket * self.max_pages_per_seq
+        self._device[:numel].copy_(self._host[:numel], non_blocking=True)
+        self._copied.record()
 
     def bucket_for(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
     @torch.inference_mode()
-    def run(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor, context_lens: torch.Tensor,
-    ) -> torch.Tensor:
-        """Inputs for B live rows (block_tables [B, pages] may be narrower than the static
-        table). Returns logits [B, vocab] fp32 (a view into the graph's output)."""
-        n = input_ids.shape[0]
+    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Replays the graph of the smallest bucket that holds the B live rows (every block
+        table no wider than max_pages_per_seq). Returns logits [B, vocab] fp32 and their
+        argmax [B] int64, views into the graph's outputs (valid until the next replay)."""
+        n = len(inputs.input_ids)
         bucket = self.bucket_for(n)
         if bucket is None or bucket not in self._graphs:
             raise ValueError(f"no captured graph for batch {n}")
-        self.input_ids[:n].copy_(input_ids, non_blocking=True)
-        self.positions[:n].copy_(positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(slot_mapping, non_blocking=True)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables, non_blocking=True)
-        self.context_lens[:n].copy_(context_lens, non_blocking=True)
-        self._reset_padding(n)
+        # The last step's copy must have left the pinned buffer before it is rewritten.
+        self._copied.synchronize()
+        self._h_ids[:n] = inputs.input_ids
+        self._h_pos[:n] = inputs.positions
+        self._h_slots[:n] = inputs.slot_mapping
+        self._h_lens[:n] = inputs.context_lens
+        tables = self._h_tables
+        for row, table in enumerate(inputs.block_tables):
+            tables[row, : len(table)] = table
+        self._fill_padding(n, bucket)
+        self._upload(bucket)
         captured = self._graphs[bucket]
         captured.graph.replay()
         self.num_replays += 1
-        return captured.logits[:n]
+        return captured.logits[:n], captured.argmax[:n]

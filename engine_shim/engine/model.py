@@ -8,6 +8,7 @@ state dict loads by name with no mapping table.
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -221,7 +222,7 @@ class CausalLM(nn.Module):
         with `use_fused_kernels` run the Triton kernels of triton_fused.py (CUDA). Call it
         last: moving the module to another device or dtype afterwards would copy the fused
         weights' views apart."""
-        for layer in self.model.layers:
+        for layer in self._decoder_layers():
             layer.self_attn.fuse()
             layer.mlp.fuse()
         self.use_fused_kernels = use_fused_kernels
@@ -246,7 +247,7 @@ class CausalLM(nn.Module):
         # residual stream, so a layer is 2 norms, 4 GEMMs, RoPE+KV, attention and SiLU.
         inv_freq = self.model.rotary_emb.inv_freq
         residual = self.model.embed_tokens(input_ids)  # [T, H]
-        layers = self.model.layers
+        layers = self._decoder_layers()
         h = triton_fused.add_rms_norm(
             residual, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps
         )
@@ -256,8 +257,12 @@ class CausalLM(nn.Module):
             h = triton_fused.add_rms_norm(attn, norm.weight, norm.eps, residual)
             mlp = layer.mlp.forward_fused(h)
             norm = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            assert isinstance(norm, RMSNorm)
             h = triton_fused.add_rms_norm(mlp, norm.weight, norm.eps, residual)
         return h
+
+    def _decoder_layers(self) -> list[DecoderLayer]:
+        return cast(list[DecoderLayer], list(self.model.layers))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # [N, H] -> [N, V] in fp32 so sampling math does not depend on the model dtype.

@@ -16,7 +16,7 @@ import torch
 from . import triton_attention
 from .attention import AttnContext, PagedDecode, SeqAttnInfo, build_decode_batch
 from .config import ModelConfig
-from .cuda_graphs import DecodeGraphRunner
+from .cuda_graphs import DecodeGraphRunner, DecodeInputs
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import ScheduledSeq
@@ -28,6 +28,7 @@ class RunResult:
     # scheduled[sampled_index[i]]
     logits: torch.Tensor
     sampled_index: list[int]
+    argmax: torch.Tensor | None = None  # [rows] int64 on the device, when the graph took it
     _greedy: dict[int, int] | None = None
     _host_rows: dict[int, torch.Tensor] | None = None
 
@@ -37,7 +38,11 @@ class RunResult:
         other_rows = [r for r, plain in enumerate(is_plain_greedy) if not plain]
         self._greedy = {}
         if greedy_rows:
-            ids = self.logits[greedy_rows].argmax(dim=-1).tolist()
+            if self.argmax is not None:  # one small read-back for every row
+                all_ids = self.argmax.tolist()
+                ids = [all_ids[r] for r in greedy_rows]
+            else:
+                ids = self.logits[greedy_rows].argmax(dim=-1).tolist()
             self._greedy = dict(zip(greedy_rows, ids, strict=True))
         self._host_rows = {}
         if other_rows:
@@ -123,34 +128,37 @@ class ModelRunner:
 
     def _run_paged_decode(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> RunResult:
         page_size = self.page_size
-        input_ids, positions, slots, context_lens = [], [], [], []
+        inputs = DecodeInputs([], [], [], [], [])
         for item in batch:
             seq, pos = item.seq, item.seq.num_computed_tokens
-            input_ids.append(seq.token_ids[pos])
-            positions.append(pos)
-            slots.append(seq.block_table[pos // page_size] * page_size + pos % page_size)
-            context_lens.append(pos + 1)
-        width = max(len(item.seq.block_table) for item in batch)
-        tables = [item.seq.block_table + [0] * (width - len(item.seq.block_table)) for item in batch]
-        device = self.device
-        ids_t = torch.tensor(input_ids, dtype=torch.int64, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.int64, device=device)
-        slots_t = torch.tensor(slots, dtype=torch.int64, device=device)
-        tables_t = torch.tensor(tables, dtype=torch.int32, device=device)
-        lens_t = torch.tensor(context_lens, dtype=torch.int32, device=device)
+            inputs.input_ids.append(seq.token_ids[pos])
+            inputs.positions.append(pos)
+            inputs.slot_mapping.append(seq.block_table[pos // page_size] * page_size + pos % page_size)
+            inputs.context_lens.append(pos + 1)
+            inputs.block_tables.append(seq.block_table)
+        width = max(len(table) for table in inputs.block_tables)
         graphs = self.graphs
-        if graphs is not None and len(batch) <= graphs.max_batch and width <= graphs.block_tables.shape[1]:
-            logits = graphs.run(ids_t, pos_t, slots_t, tables_t, lens_t)
+        argmax: torch.Tensor | None = None
+        if graphs is not None and len(batch) <= graphs.max_batch and width <= graphs.max_pages_per_seq:
+            logits, argmax = graphs.run(inputs)
         else:
+            device = self.device
+            tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]
             ctx = AttnContext(
-                slot_mapping=slots_t, seqs=[],
-                paged_decode=PagedDecode(tables_t, lens_t, page_size),
+                slot_mapping=torch.tensor(inputs.slot_mapping, dtype=torch.int64, device=device), seqs=[],
+                paged_decode=PagedDecode(
+                    torch.tensor(tables, dtype=torch.int32, device=device),
+                    torch.tensor(inputs.context_lens, dtype=torch.int32, device=device), page_size,
+                ),
             )
+            ids_t = torch.tensor(inputs.input_ids, dtype=torch.int64, device=device)
+            pos_t = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
             logits = self.model.logits(self.model(ids_t, pos_t, self.kv_cache.kv, ctx))
         sampled_index = [i for i, needed in enumerate(needs_logits) if needed]
         if len(sampled_index) != len(batch):
             logits = logits[sampled_index]
-        return RunResult(logits, sampled_index)
+            argmax = None
+        return RunResult(logits, sampled_index, argmax)
 
     def _slots(self, block_table: list[int], num_positions: int) -> torch.Tensor:
         # position p -> table[p // page_size] * page_size + p % page_size; [num_positions]

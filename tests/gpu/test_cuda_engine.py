@@ -45,7 +45,11 @@ def _tokens(engine: LLMEngine, prompts: dict[str, list[int]], sampling: Sampling
     }
 
 
-def test_triton_decode_kernel_matches_the_gather_reference_in_bf16() -> None:
+@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
+def test_triton_decode_kernel_matches_the_gather_reference_in_bf16(num_splits: int | None) -> None:
+    """Every split count (None: the default for this batch) over contexts of 1..1000 keys;
+    16 splits of a 1- or 17-key context leave most parts empty. q is read from strided rows
+    (the q part of fused qkv rows), as the fused decoder passes it."""
     from engine_shim.engine.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -53,7 +57,8 @@ def test_triton_decode_kernel_matches_the_gather_reference_in_bf16() -> None:
     pages = 200
     k = torch.randn(pages * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
     v = torch.randn_like(k)
-    q = torch.randn(batch, heads, dim, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : heads * dim].view(batch, heads, dim)
     lens = torch.tensor([1, 17, 64, 300, 1000], dtype=torch.int32, device="cuda")
     order = torch.randperm(pages, device="cuda").to(torch.int32)
     tables = torch.zeros(batch, 63, dtype=torch.int32, device="cuda")
@@ -62,7 +67,7 @@ def test_triton_decode_kernel_matches_the_gather_reference_in_bf16() -> None:
         count = math.ceil(n / page)
         tables[b, :count] = order[used : used + count]
         used += count
-    out = paged_decode_attention(q, k, v, tables, lens, page, dim**-0.5)
+    out = paged_decode_attention(q, k, v, tables, lens, page, dim**-0.5, num_splits=num_splits)
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n, device="cuda")
         slots = tables[b, pos // page].long() * page + pos % page

@@ -19,12 +19,8 @@ pytestmark = pytest.mark.skipif(
 triton = pytest.importorskip("triton")
 
 from engine_shim.engine import triton_fused  # noqa: E402
-from engine_shim.engine.attention import (  # noqa: E402
-    AttnContext, SeqAttnInfo, build_decode_batch, paged_attention,
-)
 from engine_shim.engine.config import resolve_model_config  # noqa: E402
 from engine_shim.engine.model import RMSNorm, RotaryEmbedding, apply_rope  # noqa: E402
-from engine_shim.engine.triton_attention import paged_decode_attention  # noqa: E402
 
 DTYPES = [torch.float32, torch.bfloat16]
 
