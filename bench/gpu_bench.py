@@ -90,7 +90,7 @@ def engine_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
     return length / sorted(times[1:])[len(times[1:]) // 2]
 
 
-def engine_decode(engine: LLMEngine, batch: int) -> float:
+def engine_decode(engine: LLMEngine, batch: int, profile: bool = False) -> float:
     """Decode tokens/s once every sequence has its first token (prefill excluded)."""
     sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, PROMPT_LEN, engine.vocab_size, seed=batch)):
@@ -100,8 +100,11 @@ def engine_decode(engine: LLMEngine, batch: int) -> float:
         for event in engine.step():
             if any(d.token_ids for d in getattr(event, "deltas", ())):
                 started.add(event.request_id)
+    engine.step()  # pages for the next position (a 512-token prompt fills its last page)
     torch.cuda.synchronize()
     forward_s = _time_forwards(engine)
+    if profile:
+        _profile_forward(engine)
     start = time.perf_counter()
     num_tokens = num_steps = 0
     while engine.has_work:
@@ -120,11 +123,7 @@ def engine_decode(engine: LLMEngine, batch: int) -> float:
 def _time_forwards(engine: LLMEngine, repeats: int = 20) -> float:
     """Median time of the model's decode forward alone for the running batch (no sampling,
     no scheduling), to split a step into device time and host overhead."""
-    page_size = engine.page_size
-    batch = [  # sequences whose pages already cover the next position
-        ScheduledSeq(seq, 1) for seq in engine.scheduler.running
-        if len(seq.block_table) * page_size > seq.num_computed_tokens
-    ]
+    batch = _running_batch(engine)
     if not batch:
         return float("nan")
     times = []
@@ -135,6 +134,42 @@ def _time_forwards(engine: LLMEngine, repeats: int = 20) -> float:
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return sorted(times)[len(times) // 2]
+
+
+def _running_batch(engine: LLMEngine) -> list[ScheduledSeq]:
+    page_size = engine.page_size
+    return [  # sequences whose pages already cover the next position
+        ScheduledSeq(seq, 1) for seq in engine.scheduler.running
+        if len(seq.block_table) * page_size > seq.num_computed_tokens
+    ]
+
+
+def _profile_forward(engine: LLMEngine, repeats: int = 5) -> None:
+    """Kernel-level breakdown of the running batch's decode forward, eager (graphs off) so
+    every kernel is attributed; then the same forward replayed from its graph, for the
+    launch overhead the graph removes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batch = _running_batch(engine)
+    if not batch:
+        return
+    graphs, engine.runner.graphs = engine.runner.graphs, None
+    try:
+        engine.runner.run(batch, [False] * len(batch))
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeats):
+                engine.runner.run(batch, [False] * len(batch))
+            torch.cuda.synchronize()
+    finally:
+        engine.runner.graphs = graphs
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+    total_us = sum(e.self_device_time_total for e in events) / repeats
+    launches = sum(e.count for e in events) / repeats
+    print(f"  profile batch {len(batch)}: {total_us / 1e3:.3f} ms of kernels in {launches:.0f} "
+          f"launches per eager forward", flush=True)
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:12]:
+        print(f"    {e.self_device_time_total / repeats:9.1f} us  x{e.count / repeats:5.0f}  {e.key[:90]}")
 
 
 def hf_model(engine: LLMEngine) -> Any:
@@ -205,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,32,128")
     parser.add_argument("--prefill-lens", default="1024,8192")
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="kernel breakdown of each decode batch")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -223,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         figures.append(Figure("engine", f"prefill_{length}", 1, engine_prefill(engine, length)))
         print(figures[-1].as_dict(), flush=True)
     for batch in batches:
-        figures.append(Figure("engine", "decode", batch, engine_decode(engine, batch)))
+        figures.append(Figure("engine", "decode", batch, engine_decode(engine, batch, args.profile)))
         print(figures[-1].as_dict(), flush=True)
     roofline = {b: roofline_tokens_per_s(engine, b, bandwidth) for b in batches}
     if not args.skip_hf:
