@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,13 +43,26 @@ from .disaggregation import (
 )
 from .kv_cache import KVCache
 from .model_runner import ModelRunner, RunResult
-from .request import Choice, GenerateRequest, add_token, finish_choice, take_delta
+from .request import (
+    Choice,
+    GenerateRequest,
+    add_token,
+    feed_deferred_text,
+    finish_choice,
+    take_delta,
+)
 from .sampler import SampledToken, is_plain_greedy, sample
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqKind, SeqStatus, Sequence
 from .weights import DTYPES, build_model, model_fingerprint
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Launched:
+    batch: list[ScheduledSeq]
+    result: RunResult
 
 
 class LLMEngine(DisaggregationOps):
@@ -81,6 +95,14 @@ class LLMEngine(DisaggregationOps):
         self._sends: dict[str, SendJob] = {}
         self._reservations: dict[str, Reservation] = {}
         self._events: list[EngineEvent] = []
+        # Step pipelining (EngineConfig.overlap_steps): the batch whose forward is running on
+        # the device, and the requests whose text waits to be decoded while it runs.
+        self.overlap_steps = (
+            config.overlap_steps if config.overlap_steps is not None
+            else torch.device(config.device).type == "cuda"
+        )
+        self._in_flight: _Launched | None = None
+        self._deferred: dict[str, GenerateRequest] = {}
         self._next_seq_id = 0
         self._rng = torch.Generator().manual_seed(config.seed)
 
@@ -102,7 +124,10 @@ class LLMEngine(DisaggregationOps):
 
     @property
     def has_work(self) -> bool:
-        return bool(self._events) or self.scheduler.has_work
+        return (
+            bool(self._events) or self.scheduler.has_work
+            or self._in_flight is not None or bool(self._deferred)
+        )
 
     def is_active(self, request_id: str) -> bool:
         return (
@@ -164,6 +189,7 @@ class LLMEngine(DisaggregationOps):
     # ---- abort ----
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; True if it was active."""
+        self._finish_deferred_text()  # the request's earlier deltas go out first
         found = False
         request = self._requests.pop(request_id, None)
         if request is not None:
@@ -186,39 +212,83 @@ class LLMEngine(DisaggregationOps):
 
     # ---- the step ----
     def step(self) -> list[EngineEvent]:
+        """One engine step. With overlap_steps, a step collects the tokens of the forward the
+        previous step launched, schedules and launches the next forward, and decodes the
+        collected tokens' text while the device runs it; the events of a forward are
+        returned one call later than without (the order of each request's events is the
+        same)."""
         self.reap_expired_reservations()
+        if self._in_flight is not None:
+            previous, self._in_flight = self._in_flight, None
+            self._collect(previous)
         out = self.scheduler.schedule()
+        if out.preempted_aborted or out.out_of_pages:
+            self._finish_deferred_text()  # their finishing events come after earlier deltas
         for seq in out.preempted_aborted:
             self._on_preempted(seq)
         for seq in out.ready_sends:
             self._on_send_ready(seq)
         for seq in out.out_of_pages:
             self._on_out_of_pages(seq)
-        if out.scheduled:
-            self._run(out.scheduled)
+        launched = self._launch(out.scheduled) if out.scheduled else None
+        if launched is not None and self.overlap_steps:
+            self._in_flight = launched
+        self._finish_deferred_text()  # runs while the device computes the launched forward
+        if launched is not None and not self.overlap_steps:
+            self._collect(launched)
         events, self._events = self._events, []
         return events
 
-    def _run(self, batch: list[ScheduledSeq]) -> None:
+    def _launch(self, batch: list[ScheduledSeq]) -> _Launched:
         needs_logits = [
             s.seq.kind is SeqKind.GENERATE and s.num_tokens == s.seq.num_pending_tokens for s in batch
         ]
-        result = self.runner.run(batch, needs_logits)
+        result = self.runner.run(batch, needs_logits)  # asynchronous on CUDA
         for item in batch:
             self.scheduler.on_computed(item)
             if item.seq.kind is SeqKind.SEND and item.seq.num_pending_tokens == 0:
                 self.scheduler.remove(item.seq)
                 item.seq.status = SeqStatus.PARKED
                 self._on_send_ready(item.seq)
-        touched: dict[str, GenerateRequest] = {}
-        requests = [self._requests[batch[index].seq.request_id] for index in result.sampled_index]
-        result.prepare([is_plain_greedy(r.sampling) for r in requests])
-        for row, (index, request) in enumerate(zip(result.sampled_index, requests, strict=True)):
+        return _Launched(batch, result)
+
+    def _collect(self, launched: _Launched) -> None:
+        """Sample the launched forward's rows (waiting for the device) and emit, or defer the
+        text of, every request that got a token."""
+        batch, result = launched.batch, launched.result
+        rows: list[tuple[int, GenerateRequest, Sequence]] = []
+        for row, index in enumerate(result.sampled_index):
             seq = batch[index].seq
+            request = self._requests.get(seq.request_id)
+            # Aborted (or aborted and started again under its id) since the launch.
+            if request is None or seq.is_finished or request.choices[seq.choice_index].seq is not seq:
+                continue
+            rows.append((row, request, seq))
+        plain = [True] * len(result.sampled_index)
+        for row, request, _ in rows:
+            plain[row] = is_plain_greedy(request.sampling)
+        result.prepare(plain)
+        touched: dict[str, GenerateRequest] = {}
+        for row, request, seq in rows:
             touched[request.request_id] = request
             for choice in self._choices_sampling_now(request, seq):
                 self._sample_into(request, choice, result, row)
         for request in touched.values():
+            if self._defers_text(request):
+                self._deferred[request.request_id] = request
+            else:
+                self._emit(request)
+
+    def _defers_text(self, request: GenerateRequest) -> bool:
+        # Stop strings end a choice by its text, which must be known before the next
+        # schedule; n > 1 forks choices on their first token.
+        return self.overlap_steps and not request.sampling.stop and request.sampling.n == 1
+
+    def _finish_deferred_text(self) -> None:
+        deferred, self._deferred = self._deferred, {}
+        for request in deferred.values():
+            for choice in request.choices:
+                feed_deferred_text(choice)
             self._emit(request)
 
     def _choices_sampling_now(self, request: GenerateRequest, seq: Sequence) -> list[Choice]:
@@ -273,7 +343,7 @@ class LLMEngine(DisaggregationOps):
             logits = result.host_logits(row)
             sampled = sample(logits, request.sampling, seq.output_token_ids, choice.generator)
         seq.token_ids.append(sampled.token_id)
-        add_token(request, choice, sampled, self.tokenizer)
+        add_token(request, choice, sampled, self.tokenizer, defer_text=self._defers_text(request))
         if choice.is_finished:
             self._drop_seq(seq)
 

@@ -26,6 +26,10 @@ class Choice:
     pending_token_ids: list[int] = field(default_factory=list)
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     is_reported_finished: bool = False
+    # Sampled ids whose text is still to be decoded (add_token with defer_text): the engine
+    # decodes them with feed_deferred_text while the device runs the next step.
+    unfed_token_ids: list[int] = field(default_factory=list)
+    needs_flush: bool = False  # finished with its text deferred: flush after the last feed
 
     @property
     def is_finished(self) -> bool:
@@ -55,21 +59,45 @@ class GenerateRequest:
 
 
 def add_token(
-    request: GenerateRequest, choice: Choice, sampled: SampledToken, tokenizer: Tokenizer
+    request: GenerateRequest, choice: Choice, sampled: SampledToken, tokenizer: Tokenizer,
+    defer_text: bool = False,
 ) -> None:
-    """Record a sampled token (already appended to the sequence) and decide if it finishes."""
+    """Record a sampled token (already appended to the sequence) and decide if it finishes.
+
+    With `defer_text` (only for requests without stop strings, whose end never depends on
+    the text) the decoding waits for feed_deferred_text; whether the choice finishes is
+    known at once either way, so its sequence leaves the batch on time."""
     token_id = sampled.token_id
     choice.pending_token_ids.append(token_id)
     if sampled.logprob is not None:
         choice.pending_logprobs.append(_to_logprob(sampled, tokenizer))
     if token_id in request.stop_token_ids:
-        _finish(choice, FinishReason.STOP)
+        _finish(choice, FinishReason.STOP, flush=not defer_text)
+        choice.needs_flush = defer_text
+        return
+    if defer_text:
+        assert not request.sampling.stop
+        choice.unfed_token_ids.append(token_id)
+        if choice.seq.num_output_tokens >= request.max_tokens:
+            _finish(choice, FinishReason.LENGTH, flush=False)
+            choice.needs_flush = True
         return
     choice.text += choice.decoder.feed([token_id])
     if _cut_at_stop_string(choice, request.sampling.stop):
         _finish(choice, FinishReason.STOP, flush=False)
     elif choice.seq.num_output_tokens >= request.max_tokens:
         _finish(choice, FinishReason.LENGTH)
+
+
+def feed_deferred_text(choice: Choice) -> None:
+    """Decode what add_token(defer_text=True) left, and flush the decoder if the choice
+    finished meanwhile: the same text, in the same deltas, as decoding at once."""
+    if choice.unfed_token_ids:
+        choice.text += choice.decoder.feed(choice.unfed_token_ids)
+        choice.unfed_token_ids = []
+    if choice.needs_flush:
+        choice.text += choice.decoder.flush()
+        choice.needs_flush = False
 
 
 def finish_choice(choice: Choice, reason: FinishReason) -> None:
