@@ -56,6 +56,24 @@ def chunk_from_bytes(
     return KVChunk(begin=begin, num_tokens=num_tokens, data=flat.view(shape))
 
 
+def staged_chunk(
+    stage: torch.Tensor, window_begin: int, begin: int, num_tokens: int, layout: KVLayout
+) -> torch.Tensor:
+    """The [num_layers, 2, num_tokens, num_kv_heads, head_dim] view of positions
+    [begin, begin + num_tokens) in a shared-memory stage (uint8) that holds a window from
+    `window_begin`: chunks lie back to back in position order, each laid out as on the wire.
+    Sender and receiver both address the stage through this one function."""
+    per_token = bytes_per_token(layout)
+    start = (begin - window_begin) * per_token
+    stop = start + num_tokens * per_token
+    if begin < window_begin or num_tokens < 1 or stop > stage.numel():
+        raise InvalidRequestError(
+            f"KV chunk [{begin}, {begin + num_tokens}) lies outside the shared-memory stage"
+        )
+    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    return stage[start:stop].view(torch_dtype(layout)).view(shape)
+
+
 def _varint(value: int) -> bytes:
     """Protobuf's base-128 varint of a non-negative int (the runtime keeps its encoder in the
     private google.protobuf.internal module, so it is not imported)."""

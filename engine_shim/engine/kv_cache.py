@@ -37,20 +37,28 @@ class KVCache:
         element = torch.empty((), dtype=dtype).element_size()
         return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
 
-    def export_slots(self, slots: Sequence[int]) -> torch.Tensor:
-        """-> [num_layers, 2, n, num_kv_heads, head_dim], a contiguous CPU copy.
+    def export_slots(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [num_layers, 2, n, num_kv_heads, head_dim]: a contiguous CPU copy, or `out`
+        filled (any device, e.g. a shared-memory stage) and returned.
 
         Copies runs of consecutive slots (a page's slots are consecutive) as slices:
         index_select along the slot axis ran at under 1 GB/s on the CPU, slices at memcpy
         speed."""
+        runs = _runs(slots)
+        if out is not None:
+            offset = 0
+            for start, stop in runs:
+                out[:, :, offset : offset + stop - start].copy_(self.kv[:, :, start:stop])
+                offset += stop - start
+            return out
         # cat copies once (also for a single run), so the result never aliases the pool;
         # .to("cpu") is then a no-op on the CPU and one transfer on CUDA.
-        pieces = [self.kv[:, :, a:b] for a, b in _runs(slots)] or [self.kv[:, :, :0]]
+        pieces = [self.kv[:, :, a:b] for a, b in runs] or [self.kv[:, :, :0]]
         return torch.cat(pieces, dim=2).to("cpu")
 
     def import_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
-        # data: [num_layers, 2, n, num_kv_heads, head_dim]
-        data = data.to(device=self.kv.device, dtype=self.kv.dtype)
+        # data: [num_layers, 2, n, num_kv_heads, head_dim] on any device; copy_ moves each run
+        # straight into the pool (no intermediate copy of the whole chunk on the pool's device).
         offset = 0
         for start, stop in _runs(slots):
             self.kv[:, :, start:stop].copy_(data[:, :, offset : offset + stop - start])
