@@ -4,6 +4,7 @@ the token axis so none exceeds the configured payload size."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -18,7 +19,10 @@ def torch_dtype(layout: KVLayout) -> torch.dtype:
     return _DTYPES[layout.dtype]
 
 
+@functools.lru_cache(maxsize=64)
 def bytes_per_token(layout: KVLayout) -> int:
+    # Cached: a transfer asks once per chunk, and the torch call below costs more than the
+    # rest of a shared-memory chunk's bookkeeping.
     element_size = torch.empty((), dtype=torch_dtype(layout)).element_size()
     return layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * element_size
 
