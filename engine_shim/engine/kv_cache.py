@@ -39,26 +39,24 @@ class KVCache:
 
     def export_slots(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
         """-> [num_layers, 2, n, num_kv_heads, head_dim]: a contiguous CPU copy, or `out`
-        filled (any device, e.g. a shared-memory stage) and returned.
+        (contiguous, any device, e.g. a shared-memory stage) filled and returned.
 
         Copies runs of consecutive slots (a page's slots are consecutive) as slices:
         index_select along the slot axis ran at under 1 GB/s on the CPU, slices at memcpy
         speed."""
-        runs = _runs(slots)
-        if out is not None:
-            offset = 0
-            for start, stop in runs:
-                out[:, :, offset : offset + stop - start].copy_(self.kv[:, :, start:stop])
-                offset += stop - start
-            return out
-        # cat copies once (also for a single run), so the result never aliases the pool;
-        # .to("cpu") is then a no-op on the CPU and one transfer on CUDA.
-        pieces = [self.kv[:, :, a:b] for a, b in runs] or [self.kv[:, :, :0]]
-        return torch.cat(pieces, dim=2).to("cpu")
+        # cat copies once (also for a single run), so the result never aliases the pool.
+        pieces = [self.kv[:, :, a:b] for a, b in _runs(slots)] or [self.kv[:, :, :0]]
+        if out is None:
+            return torch.cat(pieces, dim=2).to("cpu")  # no-op on the CPU, one transfer on CUDA
+        if out.device == self.kv.device:
+            return torch.cat(pieces, dim=2, out=out)
+        # Gathered on the pool's device first: one transfer instead of one per run.
+        return out.copy_(torch.cat(pieces, dim=2))
 
     def import_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
-        # data: [num_layers, 2, n, num_kv_heads, head_dim] on any device; copy_ moves each run
-        # straight into the pool (no intermediate copy of the whole chunk on the pool's device).
+        # data: [num_layers, 2, n, num_kv_heads, head_dim], on any device: moved once to the
+        # pool's (a no-op there), then copied run by run.
+        data = data.to(self.kv.device)
         offset = 0
         for start, stop in _runs(slots):
             self.kv[:, :, start:stop].copy_(data[:, :, offset : offset + stop - start])
