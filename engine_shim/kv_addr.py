@@ -20,13 +20,17 @@ class ShmOffer:
     """The receiver's offer of a shared-memory stage for this reservation."""
 
     host: str  # the receiver's host identity (boot id and hostname)
-    segment: str  # name of the segment under /dev/shm
+    pid: int  # the receiver's process id and the descriptor of the segment (a memfd) in it:
+    fd: int  # a sender opens /proc/<pid>/fd/<fd>
     nonce: str  # written at the start of the segment: proves a sender mapped this one
     size: int  # bytes of the segment, header included
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> ShmOffer:
-        return cls(str(body["host"]), str(body["segment"]), str(body["nonce"]), int(body["size"]))
+        return cls(
+            str(body["host"]), int(body["pid"]), int(body["fd"]), str(body["nonce"]),
+            int(body["size"]),
+        )
 
 
 @dataclass(frozen=True)
