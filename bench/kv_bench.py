@@ -90,8 +90,8 @@ async def run(
     model: str, token_counts: list[int], num_pages: int, device: str = "cpu", dtype: str = "auto"
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
-    # /dev/shm) between two Python processes. D has no prefix-cache hit: every run receives
-    # the whole window. P logs each RemoteSend's path at INFO.
+    # shared memory) between two Python processes. D has no prefix-cache hit: every run
+    # receives the whole window. P logs each RemoteSend's path at INFO.
     common = ["--model", model, "--port", "0", "--num-pages", str(num_pages),
               "--reservation-ttl-s", "3600", "--device", device, "--dtype", dtype]
     group = ServiceGroup(Path(tempfile.mkdtemp(prefix="kv_bench_")))

@@ -66,8 +66,9 @@ class ShimSettings(BaseSettings):
     )
     kv_shm: bool = Field(
         True,
-        description="Move KV through shared memory (/dev/shm) when sender and receiver run on "
-        "one host; only control travels over gRPC (engine_shim/kv_shm.py). Off: gRPC only.",
+        description="Move KV through shared memory (memfd stages) when sender and receiver "
+        "run on one host; only control travels over gRPC (engine_shim/kv_shm.py). Off: gRPC "
+        "only.",
     )
     kv_shm_max_mb: int = Field(
         1024,
