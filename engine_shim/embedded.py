@@ -4,7 +4,10 @@ into engine_shim.engine goes through this file."""
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import AsyncIterator, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from engine_shim.backend import BackendInfo, Reservation, SendResult
@@ -19,12 +22,18 @@ from engine_shim.engine.api import (
 )
 from engine_shim.engine.config import EngineConfig
 from engine_shim.kv_addr import KVAddrInfo
+from engine_shim.kv_codec import bytes_per_token, staged_chunk
 from engine_shim.kv_receiver import KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
+from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
 from engine_shim.settings import ShimSettings
 
 if TYPE_CHECKING:
+    import torch
+
     from engine_shim.engine.async_engine import AsyncEngine
+
+logger = logging.getLogger(__name__)
 
 
 def engine_config(settings: ShimSettings) -> EngineConfig:
@@ -49,7 +58,11 @@ class EmbeddedBackend:
         self._settings = settings
         self._engine: AsyncEngine | None = None
         self._info: BackendInfo | None = None
-        self._table = ReceiveTable(settings.reservation_ttl_s)
+        # Shared memory only where a host identity exists (Linux) and the setting allows.
+        self._host = host_identity() if settings.kv_shm else None
+        self._staging = StagingPool(settings.kv_shm_max_mb << 20) if self._host else None
+        self._segments = SegmentMaps(self._host) if self._host else None
+        self._table = ReceiveTable(settings.reservation_ttl_s, self._staging)
         self._peers = PeerChannels(settings.transport())
         self._address = ""
 
@@ -82,9 +95,16 @@ class EmbeddedBackend:
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
 
     async def shutdown(self) -> None:
-        await self._peers.close()
-        if self._engine is not None:
-            await self._engine.shutdown()
+        try:
+            await self._peers.close()
+            if self._engine is not None:
+                await self._engine.shutdown()
+        finally:
+            self._table.close_all()
+            if self._staging is not None:
+                self._staging.close()  # unlinks every segment, leased or free
+            if self._segments is not None:
+                self._segments.close()
 
     @property
     def kv_layout(self) -> KVLayout:
@@ -99,7 +119,11 @@ class EmbeddedBackend:
         self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
     ) -> Reservation:
         result = await self.engine.prep_recv(request_id, list(token_ids), end, sampling)
-        ticket = self._table.open(request_id, result.prefix_matched_length, result.end)
+        layout = self.engine.kv_layout
+        num_kv_bytes = (result.end - result.prefix_matched_length) * bytes_per_token(layout)
+        ticket = self._table.open(
+            request_id, result.prefix_matched_length, result.end, num_kv_bytes
+        )
         addr = KVAddrInfo(
             address=self._address,
             request_id=request_id,
@@ -107,7 +131,8 @@ class EmbeddedBackend:
             begin=result.prefix_matched_length,
             end=result.end,
             kv_segments=tuple(result.kv_segments),
-            layout=self.engine.kv_layout,
+            layout=layout,
+            shm=ticket.staging.offer(self._host) if ticket.staging and self._host else None,
         )
         return Reservation(request_id, result.end, result.prefix_matched_length, addr.encode())
 
@@ -126,13 +151,35 @@ class EmbeddedBackend:
         check_layout(addr.layout, self.engine.kv_layout)
         if addr.begin >= end:  # the receiver already holds the whole window
             return SendResult(0, 0, 0)
+        stage = self._stage(addr)
+        # With a stage, the engine exports each chunk straight into its window of it.
+        export_into = (
+            None if stage is None else partial(staged_chunk, stage, addr.begin, layout=addr.layout)
+        )
+        started = time.perf_counter()
         chunks: AsyncIterator[KVChunk] = self.engine.remote_send(
-            request_id, list(token_ids), addr.begin, end
+            request_id, list(token_ids), addr.begin, end, export_into
         )
         num_tokens, num_bytes = await push_kv(
-            self._peers, addr, chunks, max_payload_bytes=self._settings.kv_push_chunk_bytes
+            self._peers,
+            addr,
+            chunks,
+            max_payload_bytes=self._settings.kv_push_chunk_bytes,
+            is_staged=stage is not None,
+        )
+        logger.info(
+            "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",
+            request_id, num_tokens, num_bytes, addr.address,
+            (time.perf_counter() - started) * 1e3, "shm" if stage is not None else "grpc",
         )
         return SendResult(num_tokens, num_bytes, 0)
+
+    def _stage(self, addr: KVAddrInfo) -> torch.Tensor | None:
+        """The receiver's shared-memory stage when this shim can write it, else None (gRPC)."""
+        if addr.shm is None or self._segments is None:
+            return None
+        num_kv_bytes = (addr.end - addr.begin) * bytes_per_token(addr.layout)
+        return self._segments.open(addr.shm, num_kv_bytes)
 
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams

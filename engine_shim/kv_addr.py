@@ -1,7 +1,8 @@
 """The embedded backend's `kv_addr_info`: self-describing JSON bytes that tell a sender where
 to push KV (the receiver's data-plane address), which reservation it fills (request id and a
-random token), which slots (MLC-style segments) and what KV layout the receiver expects.
-Opaque to the router, which passes it through unchanged."""
+random token), which slots (MLC-style segments), what KV layout the receiver expects and,
+when it can take the KV through shared memory, which segment (engine_shim/kv_shm.py). Opaque
+to the router, which passes it through unchanged."""
 
 from __future__ import annotations
 
@@ -15,6 +16,24 @@ FORMAT_VERSION = 1
 
 
 @dataclass(frozen=True)
+class ShmOffer:
+    """The receiver's offer of a shared-memory stage for this reservation."""
+
+    host: str  # the receiver's host identity (boot id and hostname)
+    pid: int  # the receiver's process id and the descriptor of the segment (a memfd) in it:
+    fd: int  # a sender opens /proc/<pid>/fd/<fd>
+    nonce: str  # written at the start of the segment: proves a sender mapped this one
+    size: int  # bytes of the segment, header included
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> ShmOffer:
+        return cls(
+            str(body["host"]), int(body["pid"]), int(body["fd"]), str(body["nonce"]),
+            int(body["size"]),
+        )
+
+
+@dataclass(frozen=True)
 class KVAddrInfo:
     address: str  # host:port of the receiving shim's KVTransfer service
     request_id: str
@@ -23,10 +42,14 @@ class KVAddrInfo:
     end: int  # exclusive end of the reserved window
     kv_segments: tuple[int, ...]  # MLC's [n, begin_1, len_1, ...] absolute slot list
     layout: KVLayout
+    # Set when the receiver can also take the KV through shared memory (same host only).
+    shm: ShmOffer | None = None
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"version": FORMAT_VERSION, **asdict(self)}
         body["kv_segments"] = list(self.kv_segments)
+        if self.shm is None:
+            del body["shm"]
         return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
     @classmethod
@@ -43,6 +66,7 @@ class KVAddrInfo:
                 end=int(body["end"]),
                 kv_segments=tuple(int(x) for x in body["kv_segments"]),
                 layout=KVLayout(**body["layout"]),
+                shm=ShmOffer.from_json(body["shm"]) if body.get("shm") is not None else None,
             )
         except InvalidRequestError:
             raise

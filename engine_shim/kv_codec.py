@@ -4,6 +4,7 @@ the token axis so none exceeds the configured payload size."""
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Iterator
 
@@ -18,7 +19,10 @@ def torch_dtype(layout: KVLayout) -> torch.dtype:
     return _DTYPES[layout.dtype]
 
 
+@functools.lru_cache(maxsize=64)
 def bytes_per_token(layout: KVLayout) -> int:
+    # Cached: a transfer asks once per chunk, and the torch call below costs more than the
+    # rest of a shared-memory chunk's bookkeeping.
     element_size = torch.empty((), dtype=torch_dtype(layout)).element_size()
     return layout.num_layers * 2 * layout.num_kv_heads * layout.head_dim * element_size
 
@@ -54,6 +58,24 @@ def chunk_from_bytes(
         flat = torch.frombuffer(raw, dtype=torch_dtype(layout))
     shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
     return KVChunk(begin=begin, num_tokens=num_tokens, data=flat.view(shape))
+
+
+def staged_chunk(
+    stage: torch.Tensor, window_begin: int, begin: int, num_tokens: int, layout: KVLayout
+) -> torch.Tensor:
+    """The [num_layers, 2, num_tokens, num_kv_heads, head_dim] view of positions
+    [begin, begin + num_tokens) in a shared-memory stage (uint8) that holds a window from
+    `window_begin`: chunks lie back to back in position order, each laid out as on the wire.
+    Sender and receiver both address the stage through this one function."""
+    per_token = bytes_per_token(layout)
+    start = (begin - window_begin) * per_token
+    stop = start + num_tokens * per_token
+    if begin < window_begin or num_tokens < 1 or stop > stage.numel():
+        raise InvalidRequestError(
+            f"KV chunk [{begin}, {begin + num_tokens}) lies outside the shared-memory stage"
+        )
+    shape = (layout.num_layers, 2, num_tokens, layout.num_kv_heads, layout.head_dim)
+    return stage[start:stop].view(torch_dtype(layout)).view(shape)
 
 
 def _varint(value: int) -> bytes:

@@ -1,6 +1,8 @@
 """The receiving side of the KV data plane: the reservations PrepRecv opened (each guarded by
-a random token) and the KVTransfer servicer that checks a push's layout and window and writes
-its chunks into the engine. A push that breaks off aborts its reservation."""
+a random token, optionally with a shared-memory stage) and the KVTransfer servicer that
+checks a push's layout and window and writes its chunks into the engine, from the message
+bytes or, for a chunk that carries none, from the stage. A push that breaks off aborts its
+reservation."""
 
 from __future__ import annotations
 
@@ -25,7 +27,13 @@ from engine_shim.engine.api import (
     NotFoundError,
 )
 from engine_shim.errors import map_errors
-from engine_shim.kv_codec import chunk_from_bytes, decode_chunk_request
+from engine_shim.kv_codec import (
+    bytes_per_token,
+    chunk_from_bytes,
+    decode_chunk_request,
+    staged_chunk,
+)
+from engine_shim.kv_shm import StagingPool, StagingSegment
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
@@ -37,26 +45,36 @@ class Ticket:
     begin: int  # first position to receive (the receiver's prefix_matched_length)
     end: int
     expires_at_s: float
+    staging: StagingSegment | None = None  # the shared-memory stage offered with it, if any
     is_receiving: bool = False
 
 
 class ReceiveTable:
     """Open reservations by request id; expired ones are invisible (the engine's TTL frees
-    their pages)."""
+    their pages). Each may hold a leased shared-memory stage, given back to `staging` when
+    the ticket closes: for reuse after a completed push, retired otherwise."""
 
-    def __init__(self, ttl_s: float) -> None:
+    def __init__(self, ttl_s: float, staging: StagingPool | None = None) -> None:
         self._ttl_s = ttl_s
+        self._staging = staging
         self._tickets: dict[str, Ticket] = {}
 
-    def open(self, request_id: str, begin: int, end: int) -> Ticket:
-        ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s)
+    def open(self, request_id: str, begin: int, end: int, num_kv_bytes: int = 0) -> Ticket:
+        """A new ticket; with a stage for `num_kv_bytes` when shared memory is on and the
+        pool has room."""
+        self._close_expired()
+        self.close(request_id)
+        staging = None
+        if self._staging is not None and num_kv_bytes > 0:
+            staging = self._staging.lease(num_kv_bytes)
+        ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s, staging)
         self._tickets[request_id] = ticket
         return ticket
 
     def claim(self, request_id: str, token: str) -> Ticket:
         ticket = self._tickets.get(request_id)
         if ticket is not None and ticket.expires_at_s <= time.monotonic():
-            del self._tickets[request_id]
+            self.close(request_id)
             ticket = None
         if ticket is None or not secrets.compare_digest(ticket.token, token):
             raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
@@ -65,8 +83,29 @@ class ReceiveTable:
         ticket.is_receiving = True
         return ticket
 
+    def finish(self, ticket: Ticket) -> None:
+        """A push into `ticket` completed: its stage can serve another reservation."""
+        ticket.is_receiving = False
+        self._give_back(ticket, is_clean=True)
+
     def close(self, request_id: str) -> None:
-        self._tickets.pop(request_id, None)
+        ticket = self._tickets.pop(request_id, None)
+        if ticket is not None:
+            self._give_back(ticket, is_clean=False)
+
+    def close_all(self) -> None:
+        for request_id in list(self._tickets):
+            self.close(request_id)
+
+    def _close_expired(self) -> None:
+        now = time.monotonic()
+        for request_id in [r for r, t in self._tickets.items() if t.expires_at_s <= now]:
+            self.close(request_id)
+
+    def _give_back(self, ticket: Ticket, is_clean: bool) -> None:
+        staging, ticket.staging = ticket.staging, None
+        if staging is not None and self._staging is not None:
+            self._staging.give_back(staging, is_clean)
 
 
 class KVSink(Protocol):
@@ -146,7 +185,7 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
             self._table.close(header.request_id)
             await self._sink.abort(header.request_id)
             raise
-        ticket.is_receiving = False
+        self._table.finish(ticket)
         return engine_pb2.PushKVResponse(
             num_tokens_written=ticket.end - ticket.begin, num_bytes_written=num_bytes
         )
@@ -185,8 +224,25 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
                 f"chunk [{begin}, {begin + num_tokens}) does not continue "
                 f"the reserved window at {position} (end {ticket.end})"
             )
-        kv = chunk_from_bytes(begin, num_tokens, data, self._sink.kv_layout)
+        kv = self._chunk(ticket, begin, num_tokens, data)
         if importing is not None:
             await importing
         next_import = asyncio.ensure_future(self._sink.import_kv(request_id, kv))
-        return position + num_tokens, num_bytes + len(data), next_import
+        num_bytes += num_tokens * bytes_per_token(self._sink.kv_layout)
+        return position + num_tokens, num_bytes, next_import
+
+    def _chunk(
+        self, ticket: Ticket, begin: int, num_tokens: int, data: bytes | memoryview
+    ) -> KVChunk:
+        """The chunk's KV: its bytes, or, when it carries none, its window of the
+        reservation's shared-memory stage (where the sender has already written it)."""
+        layout = self._sink.kv_layout
+        if len(data) or num_tokens < 1:
+            return chunk_from_bytes(begin, num_tokens, data, layout)
+        if ticket.staging is None:
+            raise InvalidRequestError(
+                "a KV chunk without bytes needs the reservation's shared-memory segment, "
+                "and it has none (not offered, or the reservation was closed)"
+            )
+        view = staged_chunk(ticket.staging.data, ticket.begin, begin, num_tokens, layout)
+        return KVChunk(begin=begin, num_tokens=num_tokens, data=view)

@@ -1,5 +1,7 @@
 """The sending side of the KV data plane: pooled channels to peer shims (built with
-microserving.transport, so TLS and the token apply) and the PushKV client stream."""
+microserving.transport, so TLS and the token apply) and the PushKV client stream, which
+carries the KV bytes or, when they went through the receiver's shared-memory stage, only
+each chunk's window."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from engine_shim.engine.api import (
     UnavailableError,
 )
 from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_codec import encode_chunk_request, split_chunk
+from engine_shim.kv_codec import bytes_per_token, encode_chunk_request, split_chunk
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2
 
@@ -73,7 +75,11 @@ class _Progress:
 
 
 async def _messages(
-    addr: KVAddrInfo, chunks: AsyncIterator[KVChunk], max_payload_bytes: int, progress: _Progress
+    addr: KVAddrInfo,
+    chunks: AsyncIterator[KVChunk],
+    max_payload_bytes: int,
+    is_staged: bool,
+    progress: _Progress,
 ) -> AsyncIterator[bytes]:
     header = engine_pb2.KVPushHeader(
         request_id=addr.request_id,
@@ -83,6 +89,10 @@ async def _messages(
     yield engine_pb2.PushKVRequest(header=header).SerializeToString()
     try:
         async for chunk in chunks:
+            if is_staged:  # already in the receiver's stage: only the window goes out
+                progress.num_bytes += chunk.num_tokens * bytes_per_token(addr.layout)
+                yield encode_chunk_request(chunk.begin, chunk.num_tokens, b"")
+                continue
             for begin, num_tokens, raw in split_chunk(chunk, max_payload_bytes):
                 progress.num_bytes += len(raw)
                 yield encode_chunk_request(begin, num_tokens, raw)
@@ -97,15 +107,17 @@ async def push_kv(
     chunks: AsyncIterator[KVChunk],
     *,
     max_payload_bytes: int,
+    is_staged: bool = False,
     timeout_s: float | None = None,
 ) -> tuple[int, int]:
-    """Stream `chunks` into the reservation `addr` names; returns (tokens, bytes) written."""
+    """Stream `chunks` into the reservation `addr` names; returns (tokens, bytes) written.
+    `is_staged`: the chunks were exported into the receiver's shared-memory stage, so their
+    messages carry windows only (kv_shm.py)."""
     progress = _Progress()
     stub = peers.stub(addr.address)
+    messages = _messages(addr, chunks, max_payload_bytes, is_staged, progress)
     try:
-        response: engine_pb2.PushKVResponse = await stub(
-            _messages(addr, chunks, max_payload_bytes, progress), timeout=timeout_s
-        )
+        response: engine_pb2.PushKVResponse = await stub(messages, timeout=timeout_s)
     except aio.AioRpcError as error:
         if progress.error is not None:
             raise progress.error from None

@@ -64,6 +64,18 @@ class ShimSettings(BaseSettings):
     kv_push_chunk_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest KV payload of one PushKV message."
     )
+    kv_shm: bool = Field(
+        True,
+        description="Move KV through shared memory (memfd stages) when sender and receiver "
+        "run on one host; only control travels over gRPC (engine_shim/kv_shm.py). Off: gRPC "
+        "only.",
+    )
+    kv_shm_max_mb: int = Field(
+        1024,
+        ge=1,
+        description="Shared-memory stages a receiver keeps at most (one per reservation, "
+        "sized for its window, reused); past it reservations are offered gRPC only.",
+    )
     tune_malloc: bool = Field(
         True,
         description="Raise glibc's mmap/trim thresholds so large KV buffers reuse heap pages "

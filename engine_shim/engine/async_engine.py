@@ -13,7 +13,7 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from microserving.tokenizer import Tokenizer
 
@@ -31,6 +31,9 @@ from .api import (
 from .config import EngineConfig
 from .disaggregation import EngineEvent, SendFailed, SendReady
 from .llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -158,10 +161,18 @@ class AsyncEngine:
                 self._submit_nowait(lambda core: core.abort(request_id))
 
     async def remote_send(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        begin: int,
+        end: int,
+        export_into: Callable[[int, int], torch.Tensor] | None = None,
     ) -> AsyncIterator[KVChunk]:
         """Compute KV of prompt[:end] and yield [begin, end) in chunks; the job's pages are
-        released after the last chunk or when the iterator is closed early."""
+        released after the last chunk or when the iterator is closed early.
+
+        `export_into(begin, num_tokens)`, when given, names the tensor each chunk is
+        exported into (a shared-memory stage) instead of a new CPU tensor."""
         ids = list(token_ids)
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
@@ -177,8 +188,9 @@ class AsyncEngine:
             def export(i: int) -> asyncio.Future[KVChunk]:
                 chunk_begin, num_tokens = windows[i]
                 is_last = i == len(windows) - 1
+                out = None if export_into is None else export_into(chunk_begin, num_tokens)
                 return asyncio.ensure_future(self._call(
-                    lambda core: _export(core, request_id, chunk_begin, num_tokens, is_last)
+                    lambda core: _export(core, request_id, chunk_begin, num_tokens, is_last, out)
                 ))
 
             # One chunk of lookahead: the engine thread copies chunk i+1 out of the pool
@@ -343,8 +355,15 @@ class AsyncEngine:
         loop.call_soon_threadsafe(settle)
 
 
-def _export(core: LLMEngine, request_id: str, begin: int, num_tokens: int, is_last: bool) -> KVChunk:
-    chunk = core.export_kv(request_id, begin, num_tokens)
+def _export(
+    core: LLMEngine,
+    request_id: str,
+    begin: int,
+    num_tokens: int,
+    is_last: bool,
+    out: torch.Tensor | None,
+) -> KVChunk:
+    chunk = core.export_kv(request_id, begin, num_tokens, out)
     if is_last:
         core.finish_remote_send(request_id)
     return chunk

@@ -214,14 +214,21 @@ class DisaggregationOps:
             size = max(1, self.config.kv_export_chunk_bytes // self.kv_cache.token_bytes)
         return [(p, min(size, job.end - p)) for p in range(job.begin, job.end, size)]
 
-    def export_kv(self, request_id: str, begin: int, num_tokens: int) -> KVChunk:
+    def export_kv(
+        self, request_id: str, begin: int, num_tokens: int, out: torch.Tensor | None = None
+    ) -> KVChunk:
+        """KV of [begin, begin + num_tokens): a new CPU tensor, or written into `out` (of the
+        chunk's shape and the pool's dtype, on any device)."""
         job = self._ready_job(request_id)
         if num_tokens < 1 or begin < job.begin or begin + num_tokens > job.end:
             raise InvalidRequestError(
                 f"export window [{begin}, {begin + num_tokens}) outside [{job.begin}, {job.end})"
             )
+        if out is not None:
+            self._check_chunk_data(out, num_tokens)
         slots = slots_for_positions(job.seq.block_table, self.page_size, begin, begin + num_tokens)
-        return KVChunk(begin=begin, num_tokens=num_tokens, data=self.kv_cache.export_slots(slots))
+        data = self.kv_cache.export_slots(slots, out)
+        return KVChunk(begin=begin, num_tokens=num_tokens, data=data)
 
     def finish_remote_send(self, request_id: str) -> None:
         """Release a job after its KV went out: its computed pages go to the prefix cache."""

@@ -7,7 +7,8 @@ kv_append_metadata speaks in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -37,29 +38,55 @@ class KVCache:
         element = torch.empty((), dtype=dtype).element_size()
         return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
 
-    def export_slots(self, slots: Sequence[int]) -> torch.Tensor:
-        """-> [num_layers, 2, n, num_kv_heads, head_dim], a contiguous CPU copy.
+    def export_slots(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [num_layers, 2, n, num_kv_heads, head_dim]: a contiguous CPU copy, or `out`
+        (contiguous, any device, e.g. a shared-memory stage) filled and returned.
 
         Copies runs of consecutive slots (a page's slots are consecutive) as slices:
         index_select along the slot axis ran at under 1 GB/s on the CPU, slices at memcpy
         speed."""
-        # cat copies once (also for a single run), so the result never aliases the pool;
-        # .to("cpu") is then a no-op on the CPU and one transfer on CUDA.
+        # cat copies once (also for a single run), so the result never aliases the pool.
         pieces = [self.kv[:, :, a:b] for a, b in _runs(slots)] or [self.kv[:, :, :0]]
-        return torch.cat(pieces, dim=2).to("cpu")
+        with _one_thread():
+            if out is None:
+                return torch.cat(pieces, dim=2).to("cpu")  # no-op on the CPU, one copy on CUDA
+            if out.device == self.kv.device:
+                return torch.cat(pieces, dim=2, out=out)
+            # Gathered on the pool's device first: one transfer instead of one per run.
+            return out.copy_(torch.cat(pieces, dim=2))
 
     def import_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
-        # data: [num_layers, 2, n, num_kv_heads, head_dim]
-        data = data.to(device=self.kv.device, dtype=self.kv.dtype)
-        offset = 0
-        for start, stop in _runs(slots):
-            self.kv[:, :, start:stop].copy_(data[:, :, offset : offset + stop - start])
-            offset += stop - start
+        # data: [num_layers, 2, n, num_kv_heads, head_dim], on any device: moved once to the
+        # pool's (a no-op there), then copied run by run.
+        with _one_thread():
+            data = data.to(self.kv.device)
+            offset = 0
+            for start, stop in _runs(slots):
+                self.kv[:, :, start:stop].copy_(data[:, :, offset : offset + stop - start])
+                offset += stop - start
 
     def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
         if not src:
             return
         self.import_slots(dst, self.kv.index_select(2, torch.tensor(list(src), device=self.kv.device)))
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """KV copies run on the calling thread alone. They are memory-bound, so a second OpenMP
+    thread adds little at best, and on a busy host it costs a lot: on the shared 2-core box,
+    two 16 MiB copies took a median 26 ms with 2 threads against 6 ms with 1 (best 2.3 vs
+    2.6 ms), the team's barrier waiting for a descheduled thread. Only the engine thread runs
+    torch compute, and the setting is restored before the model runs again."""
+    num_threads = torch.get_num_threads()
+    if num_threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(num_threads)
 
 
 def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:

@@ -527,7 +527,9 @@ class KVChunkData(_message.Message):
     """Number of positions in the chunk."""
     data: _builtins.bytes
     """Raw little-endian tensor bytes of shape [num_layers, 2, num_tokens, num_kv_heads,
-    head_dim] in the layout's dtype (2 = key, value).
+    head_dim] in the layout's dtype (2 = key, value). Empty when the sender has written them
+    into the shared-memory segment that the receiver offered in its kv_addr_info (sender and
+    receiver on one host): the chunk's window of that segment holds them, in this layout.
     """
     def __init__(
         self,

@@ -42,6 +42,7 @@ class ServiceProcess:
     """A subprocess that prints `... listening on HOST:PORT` once it serves."""
 
     def __init__(self, args: list[str], log_path: Path) -> None:
+        self.log_path = log_path  # the process's stderr (its log lines)
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "microserving.cli", *args],
@@ -65,6 +66,9 @@ class ServiceProcess:
                     break
         self.stop()
         raise RuntimeError(f"{self.proc.args} did not start; see {self._log.name}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace")
 
     def stop(self) -> int:
         if self.proc.poll() is None:

@@ -1,0 +1,248 @@
+"""The same-host shared-memory KV path between two real shim processes: PD carries the tokens
+exactly through it (P logs path=shm), either side with --kv-shm false falls back to the gRPC
+stream, the receiver still refuses a mismatched layout before staged KV lands in its pool, a
+push that breaks off frees its pages and retires its segment, and segments are memfds that
+leave no name in /dev/shm, before or after their shim stops."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from shim_helpers import (
+    PROMPT,
+    ServiceProcess,
+    engine_stub,
+    free_pages,
+    generate,
+    greedy,
+    start_shim,
+    wait_for_free_pages,
+)
+
+from engine_shim.engine.api import KVLayout
+from engine_shim.kv_addr import ShmOffer
+from engine_shim.kv_codec import bytes_per_token, staged_chunk
+from engine_shim.kv_shm import SegmentMaps, host_identity, stage_fds
+from microserving.transport import TransportSettings, create_channel
+from microserving.v1 import engine_pb2, engine_pb2_grpc
+
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(host_identity() is None, reason="needs memfd and /proc (Linux)"),
+]
+
+
+@pytest.fixture(scope="module")
+def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    shim = start_shim(tmp_path_factory.mktemp("shm-off"), "shm-off", "--kv-shm", "false")
+    yield shim
+    shim.stop()
+
+
+async def _pd(
+    p: ServiceProcess, d: ServiceProcess, request_id: str, tokens: list[int]
+) -> tuple[list[int], dict]:
+    """PrepRecv on D, RemoteSend on P, StartGenerate on D; the tokens and D's kv_addr_info."""
+    p_channel, p_stub = engine_stub(p.address)
+    d_channel, d_stub = engine_stub(d.address)
+    async with p_channel, d_channel:
+        prep = await d_stub.PrepRecv(
+            engine_pb2.PrepRecvRequest(
+                request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
+            )
+        )
+        await p_stub.RemoteSend(
+            engine_pb2.RemoteSendRequest(
+                request_id=request_id,
+                token_ids=tokens,
+                begin=prep.prefix_matched_length,
+                end=prep.end,
+                kv_addr_info=prep.kv_addr_info,
+                sampling=greedy(),
+            )
+        )
+        ids = await generate(d_stub, request_id, tokens, begin=prep.end)
+    return ids, json.loads(prep.kv_addr_info)
+
+
+async def _alone(address: str, request_id: str, tokens: list[int]) -> list[int]:
+    channel, stub = engine_stub(address)
+    async with channel:
+        return await generate(stub, request_id, tokens)
+
+
+async def _logged_path(shim: ServiceProcess, request_id: str) -> str:
+    """The path= P logged for `request_id`'s RemoteSend ("" if none yet)."""
+    for _ in range(50):  # the line reaches the file right after the call returns
+        for line in shim.log_text().splitlines():
+            if f"RemoteSend {request_id}:" in line:
+                return line.rsplit("path=", 1)[1].strip()
+        await asyncio.sleep(0.02)
+    return ""
+
+
+async def test_pd_through_shared_memory_matches_single_shim(prefill_shim, decode_shim):
+    tokens = [t + 120 for t in PROMPT]
+    expected = await _alone(prefill_shim.address, "shm-alone", tokens)
+    ids, info = await _pd(prefill_shim, decode_shim, "shm-pd", tokens)
+    assert info["shm"]["host"] == host_identity()
+    assert info["shm"]["pid"] == decode_shim.proc.pid
+    assert info["shm"]["fd"] in stage_fds(decode_shim.proc.pid)
+    assert await _logged_path(prefill_shim, "shm-pd") == "shm"
+    assert len(expected) == 16 and ids == expected
+
+
+async def test_a_sender_with_shared_memory_off_pushes_over_grpc(shm_off_shim, decode_shim):
+    tokens = [t + 121 for t in PROMPT]
+    expected = await _alone(shm_off_shim.address, "off-p-alone", tokens)
+    ids, info = await _pd(shm_off_shim, decode_shim, "off-p-pd", tokens)
+    assert "shm" in info  # offered, but this sender does not use it
+    assert await _logged_path(shm_off_shim, "off-p-pd") == "grpc"
+    assert ids == expected
+
+
+async def test_a_receiver_with_shared_memory_off_offers_none_and_gets_grpc(
+    prefill_shim, shm_off_shim
+):
+    tokens = [t + 122 for t in PROMPT]
+    expected = await _alone(prefill_shim.address, "off-d-alone", tokens)
+    ids, info = await _pd(prefill_shim, shm_off_shim, "off-d-pd", tokens)
+    assert "shm" not in info
+    assert await _logged_path(prefill_shim, "off-d-pd") == "grpc"
+    assert ids == expected
+
+
+# ---- the receiver's guarantees, with the test as the sender ----
+
+
+async def _reserve(stub, request_id: str, tokens: list[int]) -> tuple[int, dict]:
+    prep = await stub.PrepRecv(
+        engine_pb2.PrepRecvRequest(
+            request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
+        )
+    )
+    return prep.end, json.loads(prep.kv_addr_info)
+
+
+def _stage_ones(info: dict, num_tokens: int) -> None:
+    """Write KV of ones for the window's first `num_tokens` into the offered stage, the way a
+    sender would (through the shim's own SegmentMaps and staged_chunk)."""
+    host = host_identity()
+    assert host is not None
+    maps = SegmentMaps(host)
+    layout = KVLayout(**info["layout"])
+    stage = maps.open(ShmOffer.from_json(info["shm"]), num_tokens * bytes_per_token(layout))
+    assert stage is not None
+    staged_chunk(stage, info["begin"], info["begin"], num_tokens, layout).fill_(1.0)
+    maps.close()
+
+
+def _header(info: dict, **layout_changes: object) -> engine_pb2.PushKVRequest:
+    layout = engine_pb2.KVLayout(**{**info["layout"], **layout_changes})
+    return engine_pb2.PushKVRequest(
+        header=engine_pb2.KVPushHeader(
+            request_id=info["request_id"],
+            reservation_token=info["reservation_token"],
+            layout=layout,
+        )
+    )
+
+
+def _windowless_chunk(begin: int, num_tokens: int) -> engine_pb2.PushKVRequest:
+    """A chunk that names its window only: its KV is in the receiver's stage."""
+    return engine_pb2.PushKVRequest(
+        chunk=engine_pb2.KVChunkData(begin=begin, num_tokens=num_tokens)
+    )
+
+
+async def _push(address: str, messages: list[engine_pb2.PushKVRequest]) -> None:
+    async with create_channel(address, TransportSettings()) as channel:
+        await engine_pb2_grpc.KVTransferStub(channel).PushKV(iter(messages))
+
+
+async def test_a_mismatched_layout_is_refused_before_staged_kv_lands(decode_shim):
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        tokens = [t + 123 for t in PROMPT]
+        end, info = await _reserve(stub, "shm-mismatch", tokens)
+        _stage_ones(info, end)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await _push(
+                    decode_shim.address,
+                    [_header(info, model_fingerprint="other"), _windowless_chunk(0, end)],
+                )
+            # Nothing was imported: generating over the window is refused.
+            with pytest.raises(grpc.aio.AioRpcError) as not_imported:
+                await generate(stub, "shm-mismatch", tokens, begin=end)
+        finally:
+            await stub.Abort(engine_pb2.AbortRequest(request_id="shm-mismatch"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert not_imported.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not been fully imported" in (not_imported.value.details() or "")
+
+
+async def test_a_windowless_chunk_without_a_stage_is_invalid(shm_off_shim):
+    channel, stub = engine_stub(shm_off_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        end, info = await _reserve(stub, "no-stage", [t + 124 for t in PROMPT])
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _push(shm_off_shim.address, [_header(info), _windowless_chunk(0, end)])
+        assert await wait_for_free_pages(stub, baseline) == baseline
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def test_a_shared_memory_push_that_breaks_off_frees_pages_and_retires_its_segment(
+    decode_shim,
+):
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        _, info = await _reserve(stub, "shm-broken", [t + 125 for t in PROMPT])
+        _stage_ones(info, 16)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await _push(decode_shim.address, [_header(info), _windowless_chunk(0, 16)])
+        assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # ended short
+        assert await wait_for_free_pages(stub, baseline) == baseline
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert status.num_reserved_requests == 0
+    # A sender might still write it, so the segment is closed, never leased again.
+    assert info["shm"]["fd"] not in stage_fds(decode_shim.proc.pid)
+
+
+# ---- segment lifetime ----
+
+
+def _names_in_dev_shm() -> list[str]:
+    return sorted(p.name for p in Path("/dev/shm").glob("microserving*"))
+
+
+def _stage_inodes(pid: int) -> set[int]:
+    return {os.stat(f"/proc/{pid}/fd/{fd}").st_ino for fd in stage_fds(pid)}
+
+
+async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
+    prefill_shim, decode_shim, tmp_path: Path
+):
+    before = _names_in_dev_shm()
+    receiver = start_shim(tmp_path, "receiver")
+    try:
+        _, info = await _pd(prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
+        assert await _logged_path(prefill_shim, "lifetime-pd") == "shm"
+        stage = os.stat(f"/proc/{receiver.proc.pid}/fd/{info['shm']['fd']}").st_ino
+        assert stage in _stage_inodes(prefill_shim.proc.pid)  # P keeps it mapped for reuse
+        assert _names_in_dev_shm() == before  # memfds: nothing named that could leak
+    finally:
+        assert receiver.stop() == 0  # SIGTERM: drained and stopped cleanly
+    # P lets go of the gone receiver's segment at its next push (to another receiver).
+    await _pd(prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
+    assert await _logged_path(prefill_shim, "after-lifetime") == "shm"
+    assert stage not in _stage_inodes(prefill_shim.proc.pid)
+    assert _names_in_dev_shm() == before
