@@ -22,7 +22,7 @@ for step in $steps; do
       timeout 360 "$python" -m bench.gpu_bench ${GPU_BENCH_ARGS:-} --out "$out" 2>&1 \
         | grep -v Warning | tee "$out/gpu_bench.log" | grep -v '^ \|^{\|^}' ;;
     kv)
-      timeout 180 "$python" -m bench.kv_bench --device cuda --model llama-1b --tokens 1024 8192 \
+      timeout 180 "$python" -m bench.kv_bench --device cuda --model llama-1b --tokens 1024 8176 \
         --num-pages 4096 > "$out/kv_bench.json" 2> "$out/kv_bench.log"; tail -3 "$out/kv_bench.log" ;;
     stack)
       export MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384 MICROSERVING_SHIM_MAX_NUM_SEQS=64
