@@ -45,26 +45,28 @@ class Outbox:
         logprobs: Iterable[common_pb2.TokenLogprob] = (),
         finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED,
     ) -> None:
-        key = (request_id, index)
+        self.put_choice_delta(request_id, common_pb2.ChoiceDelta(
+            index=index, token_ids=token_ids, text=text, logprobs=logprobs,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+        ))
+
+    def put_choice_delta(self, request_id: str, delta: common_pb2.ChoiceDelta) -> None:
+        """Queue `delta` (copied: an engine's message can be relayed as it is), or merge it
+        into the choice's delta still waiting for the writer."""
+        key = (request_id, delta.index)
         queued = self._pending.get(key)
         if queued is not None:
-            delta = queued.delta
-            delta.token_ids.extend(token_ids)
-            delta.text += text
-            delta.logprobs.extend(logprobs)
-            delta.finish_reason = finish_reason  # type: ignore[assignment]
+            merged = queued.delta
+            merged.token_ids.extend(delta.token_ids)
+            merged.text += delta.text
+            merged.logprobs.extend(delta.logprobs)
+            merged.finish_reason = delta.finish_reason
             self.num_merged += 1
         else:
-            queued = router_pb2.GenerateResponse(
-                request_id=request_id,
-                delta=common_pb2.ChoiceDelta(
-                    index=index, token_ids=token_ids, text=text, logprobs=logprobs,
-                    finish_reason=finish_reason,  # type: ignore[arg-type]
-                ),
-            )
+            queued = router_pb2.GenerateResponse(request_id=request_id, delta=delta)
             self._append(queued)
             self._pending[key] = queued
-        if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._pending.pop(key, None)  # nothing may merge past a choice's last delta
 
     def seal(self, request_id: str, num_choices: int) -> None:
