@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import json
 import os
@@ -84,9 +85,18 @@ def _router(engines: Sequence[str], flags: Sequence[str], tree: Path = REPO) -> 
 
 
 def cpu_s(pid: int) -> float:
-    """CPU time (user + system, all threads) the process has used so far."""
-    times = psutil.Process(pid).cpu_times()
-    return float(times.user + times.system)
+    """CPU time the process has used so far, all threads: the scheduler's nanosecond count
+    (/proc/PID/task/*/schedstat) where Linux has it, else user + system time, which is counted
+    in clock ticks (10 ms) and too coarse for one request."""
+    try:
+        total_ns = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                total_ns += int((task / "schedstat").read_text().split()[0])
+        return total_ns / 1e9
+    except OSError:
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
 
 
 # ---- the floor: a raw grpc.aio unary echo in another process ----
@@ -275,10 +285,17 @@ async def relay_round(engine: engine_pb2_grpc.EngineStub, routers: Sequence[Rout
     return out
 
 
-async def _start_routers(builds: dict[str, Path], engines: list[str], flags: list[str]) -> list[RouterUnderTest]:
+FLOOR = "grpc-relay-floor"
+
+
+async def _start_routers(builds: dict[str, Path], engines: list[str], flags: list[str],
+                         with_floor: bool) -> list[RouterUnderTest]:
+    launched = [(build, *_router(engines, flags, tree)) for build, tree in builds.items()]
+    if with_floor:
+        floor_args = ["-m", "bench.relay_floor", *(f"--engine={e}" for e in engines)]
+        launched.append((FLOOR, *_spawn(floor_args)))
     routers = []
-    for build, tree in builds.items():
-        proc, address = _router(engines, flags, tree)
+    for build, proc, address in launched:
         channel = grpc.aio.insecure_channel(address)
         routers.append(RouterUnderTest(build, proc, channel, router_pb2_grpc.RouterStub(channel)))
     await asyncio.sleep(1.5)  # first health round
@@ -307,12 +324,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         channels = [grpc.aio.insecure_channel(a) for a in addresses]
         engine_stubs = [engine_pb2_grpc.EngineStub(c) for c in channels]
         status = await engine_stubs[0].GetStatus(engine_pb2.GetStatusRequest())
-        report: dict[str, Any] = {"machine": "", "engine_device": status.device, "builds": list(builds),
+        report: dict[str, Any] = {"machine": "", "engine_device": status.device, "builds": [*builds, FLOOR],
                                   "rounds": args.rounds, "echo_rtt_ms": [], "patterns": {}, "relay": {}}
         for name in args.patterns:
             flags, roles, num_calls = PATTERNS[name]
             engines = [f"{a}={r}" for a, r in zip(addresses, roles, strict=False)]
-            routers = await _start_routers(builds, engines, flags)
+            routers = await _start_routers(builds, engines, flags, with_floor=name == "round-robin")
             stubs = engine_stubs[: len(roles)] if len(roles) == 2 else [engine_stubs[0]]
             rounds = []
             for rnd in range(args.rounds):
@@ -357,7 +374,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
     rtt_ms = statistics.median(report["echo_rtt_ms"])
     out: dict[str, Any] = {"echo_rtt_ms": rtt_ms, "patterns": {}, "relay": {}}
     for name, row in report["patterns"].items():
-        for build in report["builds"]:
+        for build in (b for b in report["builds"] if b in row["rounds"][0]):
             added = [r[build]["added_ms"] for r in row["rounds"]]
             out["patterns"][f"{name} / {build}"] = {
                 "direct_ms": [r["direct_ms"] for r in row["rounds"]],
@@ -367,7 +384,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                 "cpu_ms_per_request": [r[build]["cpu_ms_per_request"] for r in row["rounds"]],
             }
     for concurrency, rounds in report["relay"].items():
-        for build in report["builds"]:
+        for build in (b for b in report["builds"] if b in rounds[0]):
             out["relay"][f"{concurrency} / {build}"] = {
                 "direct_tokens_per_s": [r["direct"]["tokens_per_s"] for r in rounds],
                 "router_tokens_per_s": [r[build]["tokens_per_s"] for r in rounds],

@@ -26,12 +26,14 @@ class Outbox:
     def __init__(self) -> None:
         self._queue: deque[object] = deque()
         self._pending: dict[tuple[str, int], router_pb2.GenerateResponse] = {}
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the writer, waiting for a message
         self.num_merged = 0
 
     def _append(self, item: object) -> None:
         self._queue.append(item)
-        self._wakeup.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def put(self, response: router_pb2.GenerateResponse) -> None:
         self._append(response)
@@ -83,8 +85,12 @@ class Outbox:
     async def get(self) -> router_pb2.GenerateResponse | None:
         """The next message; None once closed. Raises StreamError for a stream fault."""
         while not self._queue:
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            # One future per wait (cheaper than an asyncio.Event's on the token path).
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         item = self._queue.popleft()
         if item is _END:
             return None

@@ -1,14 +1,14 @@
 """The built-in orchestration patterns, each an async generator over the wire-level engine
 calls (engine_calls.py; the MLC-named helpers a custom translate_request uses wrap the same
 calls): data parallel, disaggregation (balanced, prefix-aware, any number of P and D),
-adaptive disaggregation, and context migration. Each yields the decode engine's
-StartGenerate messages as they come, or None when the engine preempted."""
+adaptive disaggregation, and context migration. Each returns the decode engine's
+StartGenerate stream; a preempt arrives in it as FINISH_REASON_PREEMPT."""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from microserving.v1 import common_pb2, engine_pb2, router_pb2
@@ -22,15 +22,16 @@ from router.policies import adaptive_split, balanced_end, normalise_end
 if TYPE_CHECKING:
     from router.router import Router
 
-Messages = AsyncGenerator[engine_pb2.StartGenerateResponse | None, None]
-Pattern = Callable[["Router", EngineJob, RequestContext], Messages]
+# A pattern makes the engine calls that come before decoding, then hands back the decode
+# engine's stream (not yet started) for the caller to iterate: no generator layer per token.
+Messages = AsyncGenerator[engine_pb2.StartGenerateResponse, None]
+Pattern = Callable[["Router", EngineJob, RequestContext], Awaitable[Messages]]
 
 _PATTERN_NAMES = {
     router_pb2.PATTERN_ROUND_ROBIN: "round-robin",
     router_pb2.PATTERN_DISAGG: "disagg",
     router_pb2.PATTERN_ADAPTIVE_DISAGG: "adaptive-disagg",
 }
-_PREEMPT = common_pb2.FINISH_REASON_PREEMPT
 
 
 def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
@@ -44,28 +45,11 @@ def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
     return adaptive_disagg
 
 
-async def _generate(router: Router, job: EngineJob, begin: int, decode: Endpoint,
-                    cached: tuple[str, int] | None = None) -> Messages:
-    """start_generate(begin) on `decode`, turning a preempt message into None. `cached`
-    (address, tokens) is noted in the prefix index once the first message shows the engine
-    has prefilled; it is off the path to the first token."""
-    async with contextlib.aclosing(engine_calls.start_generate(router, decode, job, begin)) as stream:
-        async for message in stream:
-            if cached is not None:
-                router.prefix_index.record(cached[0], job.token_ids[: cached[1]])
-                cached = None
-            if any(delta.finish_reason == _PREEMPT for delta in message.choices):
-                yield None
-                return
-            yield message
-
-
 async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
     engine = router.select_engine(DECODE, job.token_ids, ctx)
-    async with contextlib.aclosing(_generate(router, job, 0, engine, cached=(engine.address, len(job.token_ids)))) as messages:
-        async for message in messages:
-            yield message
+    router.prefix_index.record(engine.address, job.token_ids)
+    return engine_calls.start_generate(router, engine, job, 0)
 
 
 async def _disagg_with_factor(
@@ -74,10 +58,7 @@ async def _disagg_with_factor(
     """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D)."""
     prompt = job.token_ids
     if prefill is None or prefill.address == decode.address or len(prompt) < 2:
-        async with contextlib.aclosing(_generate(router, job, 0, decode)) as messages:
-            async for message in messages:
-                yield message
-        return
+        return engine_calls.start_generate(router, decode, job, 0)
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
     kv_addr_info, matched = await engine_calls.prep_recv(router, decode, job, end)
@@ -88,9 +69,7 @@ async def _disagg_with_factor(
         )
     router.prefix_index.record(prefill.address, prompt[:decode_start])
     router.prefix_index.record(decode.address, prompt)
-    async with contextlib.aclosing(_generate(router, job, decode_start, decode)) as messages:
-        async for message in messages:
-            yield message
+    return engine_calls.start_generate(router, decode, job, decode_start)
 
 
 def _factor(router: Router, ctx: RequestContext) -> float:
@@ -106,9 +85,7 @@ async def disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Message
     """PD disaggregation over any number of P and D engines, balanced by the factor."""
     decode = router.select_engine(DECODE, job.token_ids, ctx)
     prefill = router.try_select_engine(PREFILL, job.token_ids, ctx, avoid=[decode.address])
-    async with contextlib.aclosing(_disagg_with_factor(router, job, _factor(router, ctx), decode, prefill)) as messages:
-        async for message in messages:
-            yield message
+    return await _disagg_with_factor(router, job, _factor(router, ctx), decode, prefill)
 
 
 async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
@@ -130,9 +107,7 @@ async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -
         factor = 0.0
     if prefill is None:
         router.prefix_index.record(decode.address, prompt)
-    async with contextlib.aclosing(_disagg_with_factor(router, job, factor, decode, prefill)) as messages:
-        async for message in messages:
-            yield message
+    return await _disagg_with_factor(router, job, factor, decode, prefill)
 
 
 async def migrate(router: Router, token_ids: list[int], source: str, target: str) -> tuple[int, int, str]:

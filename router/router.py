@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from microserving.tokenizer import Tokenizer
-from microserving.v1 import engine_pb2
+from microserving.v1 import common_pb2, engine_pb2
 from router import engine_calls, patterns
 from router.context import RequestContext
 from router.conversions import engine_to_completion, request_to_sampling
@@ -267,10 +267,13 @@ class Router:
         """Run one request; yield its CompletionResponse chunks, or None when preempted."""
         _, token_ids = _id_and_prompt(request)
         job = EngineJob(request_id, token_ids, request_to_sampling(request))
-        stream = self.generate(job, self.context(request_id))
+        stream = await self.generate(job, self.context(request_id))
         async with contextlib.aclosing(stream):
             async for message in stream:
-                yield None if message is None else engine_to_completion(message, request_id, request.model)
+                if any(delta.finish_reason == common_pb2.FINISH_REASON_PREEMPT for delta in message.choices):
+                    yield None  # MLC's way to say "preempted: run me again"
+                    return
+                yield engine_to_completion(message, request_id, request.model)
 
     @property
     def uses_builtin_patterns(self) -> bool:
@@ -279,9 +282,9 @@ class Router:
         cls = type(self)
         return all(getattr(cls, name) is getattr(Router, name) for name in _PROGRAMMABLE)
 
-    def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Messages:
-        """The built-in pattern for this request: its engine messages, None when preempted."""
-        return patterns.pattern_for(self, ctx)(self, job, ctx)
+    async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Messages:
+        """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
+        return await patterns.pattern_for(self, ctx)(self, job, ctx)
 
     # ---- context migration ----
     async def migrate_context(self, token_ids: Sequence[int], source: str, target: str) -> tuple[int, int, str]:

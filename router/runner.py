@@ -169,7 +169,8 @@ class RequestRunner:
             sent = "".join(self._sent_text[0])
             resumed = ResumedText(self._router.tokenizer, sent, self._prepared.sampling.stop)
         if self._router.uses_builtin_patterns:
-            return await self._relay_messages(self._router.generate(self._job(ctx.engine_request_id), ctx), resumed)
+            messages = await self._router.generate(self._job(ctx.engine_request_id), ctx)
+            return await self._relay_messages(messages, resumed)
         request = self._request(ctx.engine_request_id)
         return await self._relay_completions(self._router.translate_request(request, ctx.engine_request_id), resumed)
 
@@ -179,8 +180,6 @@ class RequestRunner:
         rid = self._prepared.request_id
         async with contextlib.aclosing(messages):
             async for message in messages:
-                if message is None:
-                    return _Outcome.PREEMPTED
                 for delta in message.choices:
                     reason = delta.finish_reason
                     if reason == common_pb2.FINISH_REASON_PREEMPT:
