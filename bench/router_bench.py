@@ -267,19 +267,19 @@ async def first_token_round(
     return out
 
 
-async def relay_round(engine: engine_pb2_grpc.EngineStub, routers: Sequence[RouterUnderTest], concurrency: int,
-                      max_tokens: int, rng: random.Random, tag: str, turn: int) -> dict[str, Any]:
-    """Direct and each router's streams, one after the other in a rotating order."""
+async def relay_round(engine: engine_pb2_grpc.EngineStub, engine_pid: int, routers: Sequence[RouterUnderTest],
+                      concurrency: int, max_tokens: int, rng: random.Random, tag: str, turn: int) -> dict[str, Any]:
+    """Direct and each router's streams, one after the other in a rotating order; the engine's
+    CPU per token of the direct run is the yardstick for the router's."""
     runs: list[tuple[str, StreamFn, int | None]] = [("direct", functools.partial(_direct_stream, engine), None)]
     for router in routers:
         runs.append((router.build, functools.partial(_router_stream, router.stub), router.proc.pid))
     out: dict[str, Any] = {}
     for name, stream, pid in _rotated(runs, turn):
-        before = cpu_s(pid) if pid else 0.0
+        before = cpu_s(pid or engine_pid)
         steady, whole, num_tokens = await relay_rate(stream, concurrency, max_tokens, rng, f"{name}-{tag}")
-        out[name] = {"tokens_per_s": steady, "whole_run_tokens_per_s": whole}
-        if pid:
-            out[name]["cpu_us_per_token"] = (cpu_s(pid) - before) / num_tokens * 1e6
+        out[name] = {"tokens_per_s": steady, "whole_run_tokens_per_s": whole,
+                     "cpu_us_per_token": (cpu_s(pid or engine_pid) - before) / num_tokens * 1e6}
     for router in routers:
         out[router.build]["ratio"] = out[router.build]["tokens_per_s"] / out["direct"]["tokens_per_s"]
     return out
@@ -340,7 +340,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             if name == "round-robin":
                 for concurrency in args.concurrency:
                     report["relay"][str(concurrency)] = [
-                        await relay_round(engine_stubs[0], routers, concurrency, args.max_tokens, rng,
+                        await relay_round(engine_stubs[0], shims[0][0].pid, routers, concurrency, args.max_tokens, rng,
                                           f"c{concurrency}-{rnd}", rnd)
                         for rnd in range(args.rounds)
                     ]
@@ -392,6 +392,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
                 "whole_run_ratio": [r[build]["whole_run_tokens_per_s"] / r["direct"]["whole_run_tokens_per_s"]
                                     for r in rounds],
                 "cpu_us_per_token": [r[build]["cpu_us_per_token"] for r in rounds],
+                "engine_cpu_us_per_token": [r["direct"]["cpu_us_per_token"] for r in rounds],
             }
     return out
 
@@ -408,11 +409,12 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"| {key} | {_med(row['direct_ms'])} | {_med(row['router_ms'])} | {_med(row['added_ms'])} | "
               f"{_med(row['added_rtt_per_call'])} | {_med(row['cpu_ms_per_request'])} |")
     print("| streams / build | direct tok/s | router tok/s | ratio (steady) | ratio (whole run) "
-          "| router CPU us per token |")
-    print("|---|---|---|---|---|---|")
+          "| router CPU us per token | engine CPU us per token (direct) |")
+    print("|---|---|---|---|---|---|---|")
     for key, row in summary["relay"].items():
         print(f"| {key} | {_med(row['direct_tokens_per_s'])} | {_med(row['router_tokens_per_s'])} | "
-              f"{_med(row['ratio'])} | {_med(row['whole_run_ratio'])} | {_med(row['cpu_us_per_token'])} |")
+              f"{_med(row['ratio'])} | {_med(row['whole_run_ratio'])} | {_med(row['cpu_us_per_token'])} | "
+              f"{_med(row['engine_cpu_us_per_token'])} |")
 
 
 def main(argv: list[str] | None = None) -> int:
