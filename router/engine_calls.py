@@ -103,7 +103,8 @@ async def start_generate(
                     raise router.call_failed(TimeoutError(), endpoint.address, "start_generate") from None
                 raise
             except grpc.aio.AioRpcError as exc:
-                raise router.call_failed(exc, endpoint.address, "start_generate") from exc
+                failure = TimeoutError() if watchdog.has_expired else exc  # ended by the watchdog's cancel
+                raise router.call_failed(failure, endpoint.address, "start_generate") from exc
             watchdog.idle(settings.inter_token_timeout_s)
             if reply is grpc.aio.EOF:
                 return
