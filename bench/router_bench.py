@@ -1,18 +1,32 @@
-"""Router overhead benchmark: added latency before the first token per pattern, and token
-relay rate at several concurrencies, each against the same engines called directly, with a
-raw grpc.aio echo round trip measured in the same run as the floor.
+"""Router overhead benchmark: what the router adds before the first token per pattern, its
+token relay rate at several concurrencies, and the router process's own CPU time per request
+and per relayed token, each measured against the same engines called directly in the same
+run, with a raw grpc.aio echo round trip as the floor.
 
-    python -m bench.router_bench [--samples 20] [--concurrency 1 64 256] [--out run.json]
+    python -m bench.router_bench [--rounds 3] [--samples 40] [--concurrency 1 64 256]
+    python -m bench.router_bench --baseline-tree /tmp/router-before   # before vs after, same run
 
 Starts its own shims and routers (subprocesses, embedded tiny model). Direct baselines make
 exactly the engine calls the router makes (StartGenerate for data parallel; PrepRecv,
-RemoteSend, StartGenerate for disagg), so "added" is the router's own cost.
+RemoteSend, StartGenerate for disagg). Noise control, because the shims, the routers and this
+client share the machine's cores:
+- first token: direct and router requests are issued one at a time, interleaved in a rotating
+  order, and "added" is the median of the per-pair differences (router_i - direct_i), so
+  drift in the engines' speed cancels pair by pair;
+- the router's own cost: its process CPU time (all threads) per request and per relayed
+  token, which does not depend on how busy the engines are;
+- every figure is the median over `--rounds` rounds (spread shown beside it).
+`--baseline-tree DIR` also starts a router from another source tree (e.g. `git worktree add
+DIR HEAD~1`) on the same engines and interleaves it with the others: before and after side by
+side under the same conditions.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -22,12 +36,15 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import grpc
+import psutil
 
+from bench.router_bench_report import print_report, summarize
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,11 +60,11 @@ PATTERNS: dict[str, tuple[list[str], list[str], int]] = {
 }
 
 
-def _spawn(args: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
-    path = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+def _spawn(args: Sequence[str], tree: Path = REPO) -> tuple[subprocess.Popen[str], str]:
+    path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            text=True, env=env, cwd=REPO)
+                            text=True, env=env, cwd=tree)
     assert proc.stdout is not None
     for line in proc.stdout:
         match = _LISTENING.search(line)
@@ -61,11 +78,26 @@ def _shim(role: str) -> tuple[subprocess.Popen[str], str]:
                    "--role", role, "--host", "127.0.0.1", "--port", "0"])
 
 
-def _router(engines: Sequence[str], flags: Sequence[str]) -> tuple[subprocess.Popen[str], str]:
+def _router(engines: Sequence[str], flags: Sequence[str], tree: Path = REPO) -> tuple[subprocess.Popen[str], str]:
     args = ["-m", "microserving.cli", "router", "--model", "tiny", "--port", "0", "--log-level", "WARNING", *flags]
     for engine in engines:
         args += ["--engine", engine]
-    return _spawn(args)
+    return _spawn(args, tree)
+
+
+def cpu_s(pid: int) -> float:
+    """CPU time the process has used so far, all threads: the scheduler's nanosecond count
+    (/proc/PID/task/*/schedstat) where Linux has it, else user + system time, which is counted
+    in clock ticks (10 ms) and too coarse for one request."""
+    try:
+        total_ns = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+                total_ns += int((task / "schedstat").read_text().split()[0])
+        return total_ns / 1e9
+    except OSError:
+        times = psutil.Process(pid).cpu_times()
+        return float(times.user + times.system)
 
 
 # ---- the floor: a raw grpc.aio unary echo in another process ----
@@ -176,17 +208,113 @@ def steady_rate(streams: Sequence[Arrivals]) -> float:
     return tokens / (end - begin)
 
 
-async def relay_rate(make_stream: Any, concurrency: int, max_tokens: int, rng: random.Random, tag: str) -> tuple[float, float]:
-    """(steady-state tokens/s, whole-run tokens/s) of `concurrency` streams."""
+StreamFn = Callable[[list[int], str, int], Awaitable[Arrivals]]
+
+
+async def relay_rate(make_stream: StreamFn, concurrency: int, max_tokens: int, rng: random.Random,
+                     tag: str) -> tuple[float, float, int]:
+    """(steady-state tokens/s, whole-run tokens/s, tokens) of `concurrency` streams."""
     prompts = [_prompt(rng, 16) for _ in range(concurrency)]
     start = time.perf_counter()
     streams = await asyncio.gather(*(make_stream(p, f"{tag}-{i}", max_tokens) for i, p in enumerate(prompts)))
-    whole = sum(n for s in streams for _, n in s) / (time.perf_counter() - start)
-    return steady_rate(streams), whole
+    num_tokens = sum(n for s in streams for _, n in s)
+    return steady_rate(streams), num_tokens / (time.perf_counter() - start), num_tokens
+
+
+# ---- one run ----
+@dataclass
+class RouterUnderTest:
+    """A router process (this tree's or the baseline tree's) and its stub."""
+
+    build: str
+    proc: subprocess.Popen[str]
+    channel: grpc.aio.Channel
+    stub: router_pb2_grpc.RouterStub
+
+
+def _rotated(items: list[Any], turn: int) -> list[Any]:
+    turn %= len(items)
+    return items[turn:] + items[:turn]
+
+
+async def first_token_round(
+    direct_stubs: Sequence[engine_pb2_grpc.EngineStub], routers: Sequence[RouterUnderTest],
+    rng: random.Random, samples: int, warmup: int, prompt_len: int, tag: str,
+) -> dict[str, Any]:
+    """`samples` interleaved tuples (direct, each router), fresh prompts, rotating order."""
+    times: dict[str, list[float]] = {"direct": [], **{r.build: [] for r in routers}}
+    cpu = dict.fromkeys(times, 0.0)
+    for i in range(warmup + samples):
+        calls: list[tuple[str, Callable[[], Awaitable[float]], int | None]] = [
+            ("direct", functools.partial(direct_first_token_s, direct_stubs, _prompt(rng, prompt_len),
+                                         f"d-{tag}-{i}"), None)
+        ]
+        for r in routers:
+            call = functools.partial(router_first_token_s, r.stub, _prompt(rng, prompt_len), f"{r.build}-{tag}-{i}")
+            calls.append((r.build, call, r.proc.pid))
+        for name, timed_call, pid in _rotated(calls, i):
+            before = cpu_s(pid) if pid else 0.0
+            elapsed = await timed_call()
+            if i >= warmup:
+                times[name].append(elapsed)
+                if pid:
+                    cpu[name] += cpu_s(pid) - before
+    out: dict[str, Any] = {"direct_ms": statistics.median(times["direct"]) * 1e3}
+    for r in routers:
+        pairs = [a - b for a, b in zip(times[r.build], times["direct"], strict=True)]
+        out[r.build] = {"router_ms": statistics.median(times[r.build]) * 1e3,
+                        "added_ms": statistics.median(pairs) * 1e3,
+                        "cpu_ms_per_request": cpu[r.build] / samples * 1e3}
+    return out
+
+
+async def relay_round(engine: engine_pb2_grpc.EngineStub, engine_pid: int, routers: Sequence[RouterUnderTest],
+                      concurrency: int, max_tokens: int, rng: random.Random, tag: str, turn: int) -> dict[str, Any]:
+    """Direct and each router's streams, one after the other in a rotating order; the engine's
+    CPU per token of the direct run is the yardstick for the router's."""
+    runs: list[tuple[str, StreamFn, int | None]] = [("direct", functools.partial(_direct_stream, engine), None)]
+    for router in routers:
+        runs.append((router.build, functools.partial(_router_stream, router.stub), router.proc.pid))
+    out: dict[str, Any] = {}
+    for name, stream, pid in _rotated(runs, turn):
+        before = cpu_s(pid or engine_pid)
+        steady, whole, num_tokens = await relay_rate(stream, concurrency, max_tokens, rng, f"{name}-{tag}")
+        out[name] = {"tokens_per_s": steady, "whole_run_tokens_per_s": whole,
+                     "cpu_us_per_token": (cpu_s(pid or engine_pid) - before) / num_tokens * 1e6}
+    for router in routers:
+        out[router.build]["ratio"] = out[router.build]["tokens_per_s"] / out["direct"]["tokens_per_s"]
+    return out
+
+
+FLOOR = "grpc-relay-floor"
+
+
+async def _start_routers(builds: dict[str, Path], engines: list[str], flags: list[str],
+                         with_floor: bool) -> list[RouterUnderTest]:
+    launched = [(build, *_router(engines, flags, tree)) for build, tree in builds.items()]
+    if with_floor:
+        floor_args = ["-m", "bench.relay_floor", *(f"--engine={e}" for e in engines)]
+        launched.append((FLOOR, *_spawn(floor_args)))
+    routers = []
+    for build, proc, address in launched:
+        channel = grpc.aio.insecure_channel(address)
+        routers.append(RouterUnderTest(build, proc, channel, router_pb2_grpc.RouterStub(channel)))
+    await asyncio.sleep(1.5)  # first health round
+    return routers
+
+
+async def _stop_routers(routers: Sequence[RouterUnderTest]) -> None:
+    for r in routers:
+        await r.channel.close()
+        r.proc.terminate()
+        r.proc.wait(timeout=20)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
+    builds = {"router": REPO}
+    if args.baseline_tree:
+        builds["baseline"] = Path(args.baseline_tree).resolve()
     procs: list[subprocess.Popen[str]] = []
     try:
         echo_proc, echo_address = _spawn(["-m", "bench.router_bench", "--echo-server"])
@@ -196,47 +324,31 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         addresses = [a for _, a in shims]
         channels = [grpc.aio.insecure_channel(a) for a in addresses]
         engine_stubs = [engine_pb2_grpc.EngineStub(c) for c in channels]
-        rtt_s = await echo_rtt_s(echo_address, 300)
         status = await engine_stubs[0].GetStatus(engine_pb2.GetStatusRequest())
-        report: dict[str, Any] = {"machine": _machine(), "engine_device": status.device,
-                                  "echo_rtt_ms": rtt_s * 1e3, "patterns": {}, "relay": {}}
-        for name, (flags, roles, num_calls) in PATTERNS.items():
+        report: dict[str, Any] = {"machine": "", "engine_device": status.device, "builds": [*builds, FLOOR],
+                                  "rounds": args.rounds, "echo_rtt_ms": [], "patterns": {}, "relay": {}}
+        for name in args.patterns:
+            flags, roles, num_calls = PATTERNS[name]
             engines = [f"{a}={r}" for a, r in zip(addresses, roles, strict=False)]
-            router_proc, router_address = _router(engines, flags)
-            procs.append(router_proc)
-            async with grpc.aio.insecure_channel(router_address) as channel:
-                stub = router_pb2_grpc.RouterStub(channel)
-                await asyncio.sleep(1.5)  # first health round
-                stubs = engine_stubs[: len(roles)] if len(roles) == 2 else [engine_stubs[0]]
-                direct, routed = [], []
-                for i in range(args.warmup + args.samples):
-                    # Alternate which path goes first so drift and cache state hit both alike.
-                    pair = [
-                        direct_first_token_s(stubs, _prompt(rng, args.prompt_len), f"d-{name}-{i}"),
-                        router_first_token_s(stub, _prompt(rng, args.prompt_len), f"r-{name}-{i}"),
+            routers = await _start_routers(builds, engines, flags, with_floor=name == "round-robin")
+            stubs = engine_stubs[: len(roles)] if len(roles) == 2 else [engine_stubs[0]]
+            rounds = []
+            for rnd in range(args.rounds):
+                report["echo_rtt_ms"].append(await echo_rtt_s(echo_address, 200) * 1e3)
+                rounds.append(await first_token_round(stubs, routers, rng, args.samples, args.warmup,
+                                                      args.prompt_len, f"{name}-{rnd}"))
+            report["patterns"][name] = {"engine_calls": num_calls, "rounds": rounds}
+            if name == "round-robin":
+                for concurrency in args.concurrency:
+                    report["relay"][str(concurrency)] = [
+                        await relay_round(engine_stubs[0], shims[0][0].pid, routers, concurrency, args.max_tokens, rng,
+                                          f"c{concurrency}-{rnd}", rnd)
+                        for rnd in range(args.rounds)
                     ]
-                    if i % 2:
-                        r, d = await pair[1], await pair[0]
-                    else:
-                        d, r = await pair[0], await pair[1]
-                    if i >= args.warmup:
-                        direct.append(d)
-                        routed.append(r)
-                added_ms = (statistics.median(routed) - statistics.median(direct)) * 1e3
-                report["patterns"][name] = {
-                    "engine_calls": num_calls,
-                    "direct_first_token_ms": statistics.median(direct) * 1e3,
-                    "router_first_token_ms": statistics.median(routed) * 1e3,
-                    "added_ms": added_ms,
-                    "added_rtt_per_call": added_ms / (rtt_s * 1e3) / num_calls,
-                }
-                if name == "round-robin":
-                    report["relay"] = await _relay(args, engine_stubs[0], stub, rng)
-            router_proc.terminate()
-            router_proc.wait(timeout=20)
-            procs.remove(router_proc)
+            await _stop_routers(routers)
         for channel in channels:
             await channel.close()
+        report["machine"] = _machine()
         return report
     finally:
         for proc in procs:
@@ -245,52 +357,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             proc.wait(timeout=20)
 
 
-async def _relay(args: argparse.Namespace, engine: engine_pb2_grpc.EngineStub, router: router_pb2_grpc.RouterStub,
-                 rng: random.Random) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for concurrency in args.concurrency:
-        direct, routed = [], []
-        for rep in range(args.relay_repeats):  # alternate the paths; keep each one's best
-            direct.append(await relay_rate(lambda p, r, m: _direct_stream(engine, p, r, m), concurrency,
-                                           args.max_tokens, rng, f"dr{concurrency}-{rep}"))
-            routed.append(await relay_rate(lambda p, r, m: _router_stream(router, p, r, m), concurrency,
-                                           args.max_tokens, rng, f"rr{concurrency}-{rep}"))
-        best_direct, best_routed = max(direct), max(routed)
-        out[str(concurrency)] = {
-            "direct_tokens_per_s": best_direct[0], "router_tokens_per_s": best_routed[0],
-            "ratio": best_routed[0] / best_direct[0],
-            "direct_whole_run_tokens_per_s": best_direct[1], "router_whole_run_tokens_per_s": best_routed[1],
-            "whole_run_ratio": best_routed[1] / best_direct[1],
-        }
-    return out
-
-
 def _machine() -> str:
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, Python {platform.python_version()}"
-
-
-def print_report(report: dict[str, Any]) -> None:
-    print(f"machine: {report['machine']}; engines on {report['engine_device']}")
-    print(f"raw grpc.aio unary echo round trip: {report['echo_rtt_ms']:.3f} ms")
-    print(f"{'pattern':<26}{'calls':>6}{'direct ms':>11}{'router ms':>11}{'added ms':>10}{'RTT/call':>10}")
-    for name, row in report["patterns"].items():
-        print(f"{name:<26}{row['engine_calls']:>6}{row['direct_first_token_ms']:>11.2f}"
-              f"{row['router_first_token_ms']:>11.2f}{row['added_ms']:>10.2f}{row['added_rtt_per_call']:>10.2f}")
-    print(f"{'streams':<10}{'direct tok/s':>14}{'router tok/s':>14}{'ratio':>8}{'whole-run ratio':>17}")
-    for concurrency, row in report["relay"].items():
-        print(f"{concurrency:<10}{row['direct_tokens_per_s']:>14.0f}{row['router_tokens_per_s']:>14.0f}"
-              f"{row['ratio']:>8.2f}{row['whole_run_ratio']:>17.2f}")
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (load average {load} at the "
+            f"end), {platform.system()} {platform.release()}, Python {platform.python_version()}")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="router_bench", description=__doc__)
-    parser.add_argument("--samples", type=int, default=40)
+    parser = argparse.ArgumentParser(prog="router_bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--samples", type=int, default=40, help="first-token pairs per round")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
-    parser.add_argument("--relay-repeats", type=int, default=2)
-    parser.add_argument("--out", help="write the figures as JSON here")
+    parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=list(PATTERNS))
+    parser.add_argument("--baseline-tree", help="also measure a router started from this source tree")
+    parser.add_argument("--out", help="write every round's figures as JSON here")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.echo_server:
@@ -299,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     report = asyncio.run(run(args))
     print_report(report)
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        Path(args.out).write_text(json.dumps({**report, "summary": summarize(report)}, indent=2))
     return 0
 
 

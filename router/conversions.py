@@ -45,6 +45,22 @@ def sampling_to_request_fields(sampling: common_pb2.SamplingParams) -> dict[str,
     return fields
 
 
+def engine_sampling(sampling: common_pb2.SamplingParams, max_tokens: int | None = None) -> common_pb2.SamplingParams:
+    """The SamplingParams the engines get for a client's: what
+    request_to_sampling(CompletionRequest(**sampling_to_request_fields(sampling))) gives (n set,
+    top_logprobs only with logprobs), built without the pydantic round trip. `max_tokens`
+    replaces the client's (a resume asks for what is left)."""
+    out = common_pb2.SamplingParams()
+    out.CopyFrom(sampling)
+    if not out.HasField("n"):
+        out.n = 1
+    if not out.logprobs:
+        out.top_logprobs = 0
+    if max_tokens is not None:
+        out.max_tokens = max_tokens
+    return out
+
+
 def request_to_sampling(request: CompletionRequest) -> common_pb2.SamplingParams:
     """The engine's SamplingParams for a CompletionRequest."""
     stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or ())

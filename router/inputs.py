@@ -47,8 +47,9 @@ def prepare(
     check_request_id(request.request_id)
     if request.model and request.model != model_id:
         raise ModelNotFoundError(f"model {request.model!r} is not served here", param="model")
-    check_sampling(request.sampling, tokenizer.vocab_size)
-    token_ids, text = _tokenize(request, tokenizer)
+    vocab_size = tokenizer.vocab_size  # asked once: the tokenizers backend call is not free
+    check_sampling(request.sampling, vocab_size)
+    token_ids, text = _tokenize(request, tokenizer, vocab_size)
     check_length(len(token_ids), request.sampling, max_context_length)
     return PreparedRequest(
         request_id=request.request_id,
@@ -61,7 +62,7 @@ def prepare(
     )
 
 
-def _tokenize(request: router_pb2.NewRequest, tokenizer: Tokenizer) -> tuple[list[int], str]:
+def _tokenize(request: router_pb2.NewRequest, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
     kind = request.WhichOneof("input")
     if kind == "text":
         if not request.text:
@@ -71,8 +72,7 @@ def _tokenize(request: router_pb2.NewRequest, tokenizer: Tokenizer) -> tuple[lis
         ids = list(request.token_ids.ids)
         if not ids:
             raise InvalidRequestError("token_ids must not be empty", param="token_ids.ids")
-        vocab_size = tokenizer.vocab_size
-        if any(not 0 <= i < vocab_size for i in ids):
+        if min(ids) < 0 or max(ids) >= vocab_size:  # C loops: a long prompt costs microseconds
             raise InvalidRequestError(f"token ids must lie in [0, {vocab_size})", param="token_ids.ids")
         # The text is only sent back for echo; decoding it for every request costs time.
         return ids, tokenizer.decode(ids, skip_special_tokens=False) if request.echo else ""

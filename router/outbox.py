@@ -26,12 +26,14 @@ class Outbox:
     def __init__(self) -> None:
         self._queue: deque[object] = deque()
         self._pending: dict[tuple[str, int], router_pb2.GenerateResponse] = {}
-        self._wakeup = asyncio.Event()
+        self._waiter: asyncio.Future[None] | None = None  # the writer, waiting for a message
         self.num_merged = 0
 
     def _append(self, item: object) -> None:
         self._queue.append(item)
-        self._wakeup.set()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def put(self, response: router_pb2.GenerateResponse) -> None:
         self._append(response)
@@ -45,26 +47,28 @@ class Outbox:
         logprobs: Iterable[common_pb2.TokenLogprob] = (),
         finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED,
     ) -> None:
-        key = (request_id, index)
+        self.put_choice_delta(request_id, common_pb2.ChoiceDelta(
+            index=index, token_ids=token_ids, text=text, logprobs=logprobs,
+            finish_reason=finish_reason,  # type: ignore[arg-type]
+        ))
+
+    def put_choice_delta(self, request_id: str, delta: common_pb2.ChoiceDelta) -> None:
+        """Queue `delta` (copied: an engine's message can be relayed as it is), or merge it
+        into the choice's delta still waiting for the writer."""
+        key = (request_id, delta.index)
         queued = self._pending.get(key)
         if queued is not None:
-            delta = queued.delta
-            delta.token_ids.extend(token_ids)
-            delta.text += text
-            delta.logprobs.extend(logprobs)
-            delta.finish_reason = finish_reason  # type: ignore[assignment]
+            merged = queued.delta
+            merged.token_ids.extend(delta.token_ids)
+            merged.text += delta.text
+            merged.logprobs.extend(delta.logprobs)
+            merged.finish_reason = delta.finish_reason
             self.num_merged += 1
         else:
-            queued = router_pb2.GenerateResponse(
-                request_id=request_id,
-                delta=common_pb2.ChoiceDelta(
-                    index=index, token_ids=token_ids, text=text, logprobs=logprobs,
-                    finish_reason=finish_reason,  # type: ignore[arg-type]
-                ),
-            )
+            queued = router_pb2.GenerateResponse(request_id=request_id, delta=delta)
             self._append(queued)
             self._pending[key] = queued
-        if finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
+        if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self._pending.pop(key, None)  # nothing may merge past a choice's last delta
 
     def seal(self, request_id: str, num_choices: int) -> None:
@@ -81,8 +85,12 @@ class Outbox:
     async def get(self) -> router_pb2.GenerateResponse | None:
         """The next message; None once closed. Raises StreamError for a stream fault."""
         while not self._queue:
-            self._wakeup.clear()
-            await self._wakeup.wait()
+            # One future per wait (cheaper than an asyncio.Event's on the token path).
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
         item = self._queue.popleft()
         if item is _END:
             return None

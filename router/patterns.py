@@ -1,27 +1,31 @@
-"""The built-in orchestration patterns, each an async generator over the Router's three
-helpers (exactly what a custom translate_request writes): data parallel, disaggregation
-(balanced, prefix-aware, any number of P and D), adaptive disaggregation, and context
-migration. Each yields CompletionResponse chunks, or None when the engine preempted."""
+"""The built-in orchestration patterns, each an async generator over the wire-level engine
+calls (engine_calls.py; the MLC-named helpers a custom translate_request uses wrap the same
+calls): data parallel, disaggregation (balanced, prefix-aware, any number of P and D),
+adaptive disaggregation, and context migration. Each returns the decode engine's
+StartGenerate stream; a preempt arrives in it as FINISH_REASON_PREEMPT."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING
 
-from microserving.v1 import router_pb2
+from microserving.v1 import common_pb2, engine_pb2, router_pb2
+from router import engine_calls
 from router.context import RequestContext
 from router.endpoint import DECODE, PREFILL, Endpoint
+from router.engine_calls import EngineJob
 from router.errors import InvalidRequestError
-from router.microserving_protocol import PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
-from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.policies import adaptive_split, balanced_end, normalise_end
 
 if TYPE_CHECKING:
     from router.router import Router
 
-Chunks = AsyncGenerator[CompletionResponse | None, None]
-Pattern = Callable[["Router", CompletionRequest, str, RequestContext], Chunks]
+# A pattern makes the engine calls that come before decoding, then hands back the decode
+# engine's stream (not yet started) for the caller to iterate: no generator layer per token.
+Messages = AsyncGenerator[engine_pb2.StartGenerateResponse, None]
+Pattern = Callable[["Router", EngineJob, RequestContext], Awaitable[Messages]]
 
 _PATTERN_NAMES = {
     router_pb2.PATTERN_ROUND_ROBIN: "round-robin",
@@ -41,58 +45,31 @@ def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
     return adaptive_disagg
 
 
-def _prompt(request: CompletionRequest) -> list[int]:
-    if not isinstance(request.prompt, list):
-        raise InvalidRequestError("the prompt must be token ids here", param="prompt")
-    return request.prompt
-
-
-async def _generate(router: Router, request: CompletionRequest, begin: int, decode: Endpoint) -> Chunks:
-    """start_generate(begin) on `decode`, turning a preempt chunk into None."""
-    start = StartGenerateRequest(**request.model_dump(), begin=begin)
-    async for response in router.send_start_generate(None, start, decode.address):
-        if any(c.finish_reason == "preempt" for c in response.choices):
-            yield None
-            return
-        yield response
-
-
-async def round_robin(router: Router, request: CompletionRequest, request_id: str, ctx: RequestContext) -> Chunks:
+async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
-    del request_id
-    prompt = _prompt(request)
-    engine = router.select_engine(DECODE, prompt, ctx)
-    router.prefix_index.record(engine.address, prompt)
-    async for response in _generate(router, request, 0, engine):
-        yield response
+    engine = router.select_engine(DECODE, job.token_ids, ctx)
+    router.prefix_index.record(engine.address, job.token_ids)
+    return engine_calls.start_generate(router, engine, job, 0)
 
 
 async def _disagg_with_factor(
-    router: Router, request: CompletionRequest, ctx: RequestContext, factor: float,
-    decode: Endpoint, prefill: Endpoint | None,
-) -> Chunks:
+    router: Router, job: EngineJob, factor: float, decode: Endpoint, prefill: Endpoint | None,
+) -> Messages:
     """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D)."""
-    prompt = _prompt(request)
+    prompt = job.token_ids
     if prefill is None or prefill.address == decode.address or len(prompt) < 2:
-        async for response in _generate(router, request, 0, decode):
-            yield response
-        return
+        return engine_calls.start_generate(router, decode, job, 0)
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
-    fields = request.model_dump()
-    kv_addr_info, matched = await router.send_prepare_receive(
-        None, PrepRecvRequest(**fields, end=end), decode.address
-    )
+    kv_addr_info, matched = await engine_calls.prep_recv(router, decode, job, end)
     if matched < decode_start:
-        remote = RemoteSendRequest(
-            **fields, begin=matched, end=end, kv_addr_info=kv_addr_info,
+        await engine_calls.remote_send(
+            router, prefill, job, begin=matched, end=end, kv_addr_info=kv_addr_info,
             recv_rank=router.device_id_start(decode.address),
         )
-        await router.send_remote_send(None, remote, prefill.address)
     router.prefix_index.record(prefill.address, prompt[:decode_start])
     router.prefix_index.record(decode.address, prompt)
-    async for response in _generate(router, request, decode_start, decode):
-        yield response
+    return engine_calls.start_generate(router, decode, job, decode_start)
 
 
 def _factor(router: Router, ctx: RequestContext) -> float:
@@ -104,21 +81,17 @@ def _factor(router: Router, ctx: RequestContext) -> float:
     return router.pd_balance_factor
 
 
-async def disagg(router: Router, request: CompletionRequest, request_id: str, ctx: RequestContext) -> Chunks:
+async def disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
     """PD disaggregation over any number of P and D engines, balanced by the factor."""
-    del request_id
-    prompt = _prompt(request)
-    decode = router.select_engine(DECODE, prompt, ctx)
-    prefill = router.try_select_engine(PREFILL, prompt, ctx, avoid=[decode.address])
-    async for response in _disagg_with_factor(router, request, ctx, _factor(router, ctx), decode, prefill):
-        yield response
+    decode = router.select_engine(DECODE, job.token_ids, ctx)
+    prefill = router.try_select_engine(PREFILL, job.token_ids, ctx, avoid=[decode.address])
+    return await _disagg_with_factor(router, job, _factor(router, ctx), decode, prefill)
 
 
-async def adaptive_disagg(router: Router, request: CompletionRequest, request_id: str, ctx: RequestContext) -> Chunks:
+async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
     """Per request: split from measured P and D load; D alone when little is uncached or
     P is the bottleneck (policy in policies.adaptive_split, described in docs/router.md)."""
-    del request_id
-    prompt = _prompt(request)
+    prompt = job.token_ids
     decode = router.select_engine(DECODE, prompt, ctx)
     prefill = router.try_select_engine(PREFILL, prompt, ctx, avoid=[decode.address])
     cached = router.prefix_index.match_all([decode.address], prompt)[decode.address]
@@ -134,8 +107,7 @@ async def adaptive_disagg(router: Router, request: CompletionRequest, request_id
         factor = 0.0
     if prefill is None:
         router.prefix_index.record(decode.address, prompt)
-    async for response in _disagg_with_factor(router, request, ctx, factor, decode, prefill):
-        yield response
+    return await _disagg_with_factor(router, job, factor, decode, prefill)
 
 
 async def migrate(router: Router, token_ids: list[int], source: str, target: str) -> tuple[int, int, str]:
@@ -147,20 +119,20 @@ async def migrate(router: Router, token_ids: list[int], source: str, target: str
     request_id = f"migrate-{uuid.uuid4().hex}"
     ctx = router.open_context(request_id)
     source = source or _choose_source(router, token_ids, target, ctx)
-    fields: dict[str, Any] = {"prompt": token_ids, "user": request_id, "max_tokens": 1, "temperature": 0.0}
+    job = EngineJob(request_id, token_ids, common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1))
     try:
-        kv_addr_info, matched = await router.send_prepare_receive(None, PrepRecvRequest(**fields, end=-1), target)
+        kv_addr_info, matched = await engine_calls.prep_recv(router, target_engine, job, -1)
         end = len(token_ids) - 1
         moved = 0
         if matched < end:
-            remote = RemoteSendRequest(
-                **fields, begin=matched, end=-1, kv_addr_info=kv_addr_info,
+            await engine_calls.remote_send(
+                router, router.endpoint(source), job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
                 recv_rank=router.device_id_start(target),
             )
-            await router.send_remote_send(None, remote, source)
             moved = end - matched
-        async for _ in router.send_start_generate(None, StartGenerateRequest(**fields, begin=end), target):
-            pass
+        async with contextlib.aclosing(engine_calls.start_generate(router, target_engine, job, end)) as stream:
+            async for _ in stream:
+                pass
     except BaseException:
         await router.abort_touched(ctx)
         raise

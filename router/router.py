@@ -2,15 +2,18 @@
 num_running_requests, router_mode, pd_balance_factor, tokenizer; send_prepare_receive /
 send_remote_send / send_start_generate; translate_request) over pooled gRPC channels.
 
-The built-in patterns (patterns.py) are written with the same helpers a subclass uses, and
-the gRPC servicer drives translate_request for every request, so the programmable path is
-the real path.
+The built-in patterns (patterns.py) run on the wire-level engine calls of engine_calls.py,
+which the MLC-named helpers wrap, so a subclass and the built-in patterns share every piece of
+bookkeeping. When a subclass overrides none of the programmable methods
+(`uses_builtin_patterns`), the runner takes the patterns' engine messages directly (no
+CompletionResponse per token); otherwise it drives translate_request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import itertools
 import logging
 import time
@@ -20,21 +23,13 @@ from typing import Any
 import grpc
 
 from microserving.tokenizer import Tokenizer
-from microserving.v1 import engine_pb2
-from router import patterns
+from microserving.v1 import common_pb2, engine_pb2
+from router import engine_calls, patterns
 from router.context import RequestContext
 from router.conversions import engine_to_completion, request_to_sampling
 from router.discovery import DnsWatcher, parse_engine_spec
-from router.endpoint import (
-    DECODE,
-    PREFILL,
-    ROLE_NAMES,
-    STAGE_DECODE,
-    STAGE_PREP_RECV,
-    STAGE_REMOTE_SEND,
-    STAGE_RESERVED,
-    Endpoint,
-)
+from router.endpoint import DECODE, PREFILL, ROLE_NAMES, STAGE_RESERVED, Endpoint
+from router.engine_calls import EngineJob
 from router.errors import EngineCallError, InvalidRequestError, NoEngineError
 from router.microserving_protocol import PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
@@ -44,6 +39,9 @@ from router.registry import EngineRegistry
 from router.settings import RouterSettings
 
 logger = logging.getLogger(__name__)
+
+# What a custom router may override; overriding any of them turns the fast path off.
+_PROGRAMMABLE = ("translate_request", "send_prepare_receive", "send_remote_send", "send_start_generate")
 
 
 def settings_from_mlc_args(
@@ -163,7 +161,7 @@ class Router:
     def close_context(self, ctx: RequestContext) -> None:
         self._contexts.pop(ctx.engine_request_id, None)
         for address in ctx.reservations:
-            endpoint = self._endpoint(address)
+            endpoint = self.endpoint(address)
             endpoint.release(STAGE_RESERVED)
         ctx.reservations.clear()
 
@@ -176,7 +174,7 @@ class Router:
 
         async def abort(address: str) -> None:
             try:
-                await self._endpoint(address).stub.Abort(request, timeout=self.settings.abort_timeout_s)
+                await self.endpoint(address).stub.Abort(request, timeout=self.settings.abort_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 logger.info("abort of %s on %s failed: %s", ctx.engine_request_id, address, exc.code())
 
@@ -213,7 +211,7 @@ class Router:
     def is_cache_aware(self, ctx: RequestContext) -> bool:
         return ctx.hints.cache_aware if ctx.hints.HasField("cache_aware") else self.cache_aware
 
-    def _endpoint(self, server_url: str) -> Endpoint:
+    def endpoint(self, server_url: str) -> Endpoint:
         address = _strip_scheme(server_url)
         endpoint = self.registry.get(address) or self._adhoc.get(address)
         if endpoint is None:
@@ -223,7 +221,7 @@ class Router:
             self._adhoc[address] = endpoint
         return endpoint
 
-    def _call_failed(self, exc: grpc.aio.AioRpcError | TimeoutError, address: str, stage: str) -> EngineCallError:
+    def call_failed(self, exc: grpc.aio.AioRpcError | TimeoutError, address: str, stage: str) -> EngineCallError:
         code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
         detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "stage deadline passed"
         error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage)
@@ -232,90 +230,61 @@ class Router:
         logger.info("%s on %s failed: %s %s", stage, address, code.name, detail)
         return error
 
-    # ---- the three MicroServing calls ----
+    # ---- the three MicroServing calls (MLC's helpers) ----
     async def send_prepare_receive(
         self, session: Any, request: PrepRecvRequest, server_url: str
     ) -> tuple[str, int]:
         """prep_recv on the receiver -> (kv_addr_info, prefix_matched_length)."""
         del session  # accepted for MLC's signature; calls use the pooled gRPC channel
-        endpoint = self._endpoint(server_url)
-        request_id, token_ids = _id_and_prompt(request)
-        ctx = self.context(request_id)
-        ctx.touch(endpoint.address)
-        message = engine_pb2.PrepRecvRequest(
-            request_id=request_id, token_ids=token_ids, end=request.end,
-            sampling=request_to_sampling(request),
+        kv_addr_info, matched = await engine_calls.prep_recv(
+            self, self.endpoint(server_url), _job(request), request.end
         )
-        try:
-            with endpoint.track(STAGE_PREP_RECV):
-                reply = await endpoint.stub.PrepRecv(message, timeout=self.settings.prep_recv_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._call_failed(exc, endpoint.address, "prep_recv") from exc
-        if endpoint.address not in ctx.reservations:
-            ctx.reservations.add(endpoint.address)
-            endpoint.acquire(STAGE_RESERVED)
-        return base64.b64encode(reply.kv_addr_info).decode("ascii"), reply.prefix_matched_length
+        return base64.b64encode(kv_addr_info).decode("ascii"), matched
 
     async def send_remote_send(self, session: Any, request: RemoteSendRequest, server_url: str) -> None:
         """remote_send on the sender; returns once the KV reached the receiver."""
         del session
-        endpoint = self._endpoint(server_url)
-        request_id, token_ids = _id_and_prompt(request)
-        self.context(request_id).touch(endpoint.address)
-        message = engine_pb2.RemoteSendRequest(
-            request_id=request_id, token_ids=token_ids, begin=request.begin, end=request.end,
+        await engine_calls.remote_send(
+            self, self.endpoint(server_url), _job(request), begin=request.begin, end=request.end,
             kv_addr_info=base64.b64decode(request.kv_addr_info), recv_rank=request.recv_rank,
-            sampling=request_to_sampling(request),
         )
-        try:
-            with endpoint.track(STAGE_REMOTE_SEND):
-                await endpoint.stub.RemoteSend(message, timeout=self.settings.remote_send_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            raise self._call_failed(exc, endpoint.address, "remote_send") from exc
 
     async def send_start_generate(
         self, session: Any, request: StartGenerateRequest, server_url: str
     ) -> AsyncIterator[CompletionResponse]:
         """start_generate on the receiver: its stream as CompletionResponse chunks."""
         del session
-        endpoint = self._endpoint(server_url)
-        request_id, token_ids = _id_and_prompt(request)
-        ctx = self.context(request_id)
-        ctx.touch(endpoint.address)
-        if endpoint.address in ctx.reservations:
-            ctx.reservations.discard(endpoint.address)
-            endpoint.release(STAGE_RESERVED)
-        message = engine_pb2.StartGenerateRequest(
-            request_id=request_id, token_ids=token_ids, begin=request.begin,
-            sampling=request_to_sampling(request),
-        )
-        endpoint.acquire(STAGE_DECODE)
-        call = endpoint.stub.StartGenerate(message)
-        timeout_s = self.settings.first_token_timeout_s
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(timeout_s):
-                        reply = await call.read()
-                except (grpc.aio.AioRpcError, TimeoutError) as exc:
-                    raise self._call_failed(exc, endpoint.address, "start_generate") from exc
-                if reply is grpc.aio.EOF:
-                    return
-                timeout_s = self.settings.inter_token_timeout_s
-                yield engine_to_completion(reply, request_id, request.model)  # type: ignore[arg-type]
-        finally:
-            endpoint.release(STAGE_DECODE)
-            call.cancel()  # no-op after a clean end; aborts the engine request otherwise
+        job = _job(request)
+        stream = engine_calls.start_generate(self, self.endpoint(server_url), job, request.begin)
+        async with contextlib.aclosing(stream):
+            async for reply in stream:
+                yield engine_to_completion(reply, job.request_id, request.model)
 
     # ---- the extension point ----
     async def translate_request(
         self, request: CompletionRequest, request_id: str
     ) -> AsyncGenerator[CompletionResponse | None, None]:
         """Run one request; yield its CompletionResponse chunks, or None when preempted."""
-        ctx = self.context(request_id)
-        pattern = patterns.pattern_for(self, ctx)
-        async for response in pattern(self, request, request_id, ctx):
-            yield response
+        _, token_ids = _id_and_prompt(request)
+        job = EngineJob(request_id, token_ids, request_to_sampling(request))
+        stream = await self.generate(job, self.context(request_id))
+        async with contextlib.aclosing(stream):
+            async for message in stream:
+                if any(delta.finish_reason == common_pb2.FINISH_REASON_PREEMPT for delta in message.choices):
+                    yield None  # MLC's way to say "preempted: run me again"
+                    return
+                yield engine_to_completion(message, request_id, request.model)
+
+    @property
+    def uses_builtin_patterns(self) -> bool:
+        """True unless a subclass overrides a programmable method (then it must be driven
+        through translate_request and the CompletionResponse models)."""
+        cls = type(self)
+        return all(getattr(cls, name) is getattr(Router, name) for name in _PROGRAMMABLE)
+
+    async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Messages:
+        """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
+        return await patterns.pattern_for(self, ctx)(self, job, ctx)
 
     # ---- context migration ----
     async def migrate_context(self, token_ids: Sequence[int], source: str, target: str) -> tuple[int, int, str]:
@@ -324,6 +293,11 @@ class Router:
         if len(token_ids) < 2:
             raise InvalidRequestError("a context needs at least 2 tokens", param="token_ids")
         return await patterns.migrate(self, list(token_ids), source, target)
+
+
+def _job(request: CompletionRequest) -> EngineJob:
+    request_id, token_ids = _id_and_prompt(request)
+    return EngineJob(request_id, token_ids, request_to_sampling(request))
 
 
 def _id_and_prompt(request: CompletionRequest) -> tuple[str, list[int]]:

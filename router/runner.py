@@ -1,5 +1,9 @@
 """Runs one client request through Router.translate_request and relays its output.
 
+Two relays, one set of rules: with the built-in patterns the engine's ChoiceDelta protos go
+to the client as they are (`_relay_messages`); a custom translate_request's CompletionResponse
+chunks are converted choice by choice (`_relay_completions`).
+
 Owns the request-level guarantees: retry on another engine before the first token was
 streamed; after it, a bounded resume (on another engine after an engine failure, through the
 pattern again after a preempt) from prompt + tokens already streamed, so text is never
@@ -15,15 +19,23 @@ import contextlib
 import enum
 import logging
 import uuid
+from collections.abc import AsyncGenerator, Iterable
 
 import grpc
 
 from microserving.v1 import common_pb2, router_pb2
+from router import patterns
 from router.context import RequestContext
-from router.conversions import TEXT_TO_FINISH, logprobs_to_proto, sampling_to_request_fields
+from router.conversions import (
+    TEXT_TO_FINISH,
+    engine_sampling,
+    logprobs_to_proto,
+    sampling_to_request_fields,
+)
+from router.engine_calls import EngineJob
 from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
 from router.inputs import PreparedRequest
-from router.openai_protocol import CompletionRequest
+from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
 from router.resumed_text import ResumedText
 from router.router import Router
@@ -44,7 +56,8 @@ class RequestRunner:
         sampling = prepared.sampling
         self._num_choices = sampling.n if sampling.HasField("n") else 1
         self._streamed: list[list[int]] = [[] for _ in range(self._num_choices)]
-        self._sent_text = [""] * self._num_choices
+        self._sent_text: list[list[str]] = [[] for _ in range(self._num_choices)]  # pieces, joined on resume
+        self._sampling = engine_sampling(sampling)  # what the engines get on a first attempt
         self._finished: dict[int, int] = {}
         self._completion_before_attempt = 0
         self._cached_tokens = 0
@@ -139,15 +152,57 @@ class RequestRunner:
             "prompt": [*self._prepared.token_ids, *streamed],
         })
 
+    def _job(self, engine_request_id: str) -> EngineJob:
+        """The engine-level request of the next attempt (the fast path's _request)."""
+        streamed = self._streamed[0] if self._num_choices == 1 else []
+        if not streamed:
+            return EngineJob(engine_request_id, list(self._prepared.token_ids), self._sampling)
+        max_tokens = self._max_tokens()
+        sampling = engine_sampling(self._sampling, None if max_tokens is None else max_tokens - len(streamed))
+        return EngineJob(engine_request_id, [*self._prepared.token_ids, *streamed], sampling)
+
     async def _attempt(self, ctx: RequestContext) -> _Outcome:
         self._router.open_context(ctx.engine_request_id, ctx)
         self._completion_before_attempt = self.num_streamed
-        request = self._request(ctx.engine_request_id)
-        rid = self._prepared.request_id
         resumed = None
         if self.num_streamed:  # a resume: the router decodes the text (see resumed_text.py)
-            resumed = ResumedText(self._router.tokenizer, self._sent_text[0], self._prepared.sampling.stop)
-        generator = self._router.translate_request(request, ctx.engine_request_id)
+            sent = "".join(self._sent_text[0])
+            resumed = ResumedText(self._router.tokenizer, sent, self._prepared.sampling.stop)
+        if self._router.uses_builtin_patterns:
+            messages = await self._router.generate(self._job(ctx.engine_request_id), ctx)
+            return await self._relay_messages(messages, resumed)
+        request = self._request(ctx.engine_request_id)
+        return await self._relay_completions(self._router.translate_request(request, ctx.engine_request_id), resumed)
+
+    async def _relay_messages(self, messages: patterns.Messages, resumed: ResumedText | None) -> _Outcome:
+        """The built-in patterns' engine messages: each ChoiceDelta goes to the outbox as it is
+        unless a resume has the router decode the text."""
+        rid = self._prepared.request_id
+        async with contextlib.aclosing(messages):
+            async for message in messages:
+                for delta in message.choices:
+                    reason = delta.finish_reason
+                    if reason == common_pb2.FINISH_REASON_PREEMPT:
+                        return _Outcome.PREEMPTED
+                    self._streamed[delta.index].extend(delta.token_ids)
+                    if resumed is None:
+                        self._sent_text[delta.index].append(delta.text)
+                        self._outbox.put_choice_delta(rid, delta)
+                        if reason:
+                            self._finished[delta.index] = reason
+                    else:
+                        self._relay_choice(delta.index, delta.token_ids, delta.text, delta.logprobs, reason, resumed)
+                if resumed is not None and self._is_complete():
+                    return _Outcome.DONE  # a stop string across the resume point ended it
+                if message.HasField("usage"):
+                    self._engine_completion = message.usage.completion_tokens
+                    self._cached_tokens = message.usage.cached_tokens
+        return _Outcome.DONE
+
+    async def _relay_completions(
+        self, generator: AsyncGenerator[CompletionResponse | None, None], resumed: ResumedText | None
+    ) -> _Outcome:
+        """A custom translate_request's CompletionResponse chunks."""
         async with contextlib.aclosing(generator):
             async for response in generator:
                 if response is None:
@@ -158,21 +213,27 @@ class RequestRunner:
                         return _Outcome.PREEMPTED
                     ids = choice.token_ids or ()
                     self._streamed[choice.index].extend(ids)
-                    text = choice.text
-                    if resumed is not None:
-                        text, is_stopped = resumed.advance(self._streamed[choice.index], bool(reason))
-                        reason = common_pb2.FINISH_REASON_STOP if is_stopped else reason
-                    self._sent_text[choice.index] += text
-                    self._outbox.put_delta(rid, choice.index, ids, text,
-                                           logprobs_to_proto(choice.logprobs), reason)
-                    if reason:
-                        self._finished[choice.index] = reason
+                    self._relay_choice(choice.index, ids, choice.text, logprobs_to_proto(choice.logprobs),
+                                       reason, resumed)
                 if resumed is not None and self._is_complete():
                     return _Outcome.DONE  # a stop string across the resume point ended it
                 if response.usage is not None:
                     self._engine_completion = response.usage.completion_tokens
                     self._cached_tokens = int((response.usage.extra or {}).get("cached_tokens", 0))
         return _Outcome.DONE
+
+    def _relay_choice(
+        self, index: int, token_ids: Iterable[int], text: str, logprobs: Iterable[common_pb2.TokenLogprob],
+        reason: int, resumed: ResumedText | None,
+    ) -> None:
+        """One choice's new output (its tokens already in _streamed) to the outbox."""
+        if resumed is not None:
+            text, is_stopped = resumed.advance(self._streamed[index], bool(reason))
+            reason = common_pb2.FINISH_REASON_STOP if is_stopped else reason
+        self._sent_text[index].append(text)
+        self._outbox.put_delta(self._prepared.request_id, index, token_ids, text, logprobs, reason)
+        if reason:
+            self._finished[index] = reason
 
     def _usage(self) -> common_pb2.Usage:
         prompt_tokens = len(self._prepared.token_ids)
