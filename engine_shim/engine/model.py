@@ -97,7 +97,7 @@ class Attention(nn.Module):
         the state dict (and its names) is unchanged and no memory is held twice."""
         self.qkv_weight = _fuse_linears(self.q_proj, self.k_proj, self.v_proj)
         if self.q_proj.bias is not None:
-            self.qkv_bias = _fuse_biases(self.q_proj, self.k_proj, self.v_proj)
+            self.qkv_bias = _fuse_linears(self.q_proj, self.k_proj, self.v_proj, part="bias")
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -159,22 +159,14 @@ class MLP(nn.Module):
         return self.down_proj(triton_fused.silu_mul(F.linear(x, self.gate_up_weight)))
 
 
-def _fuse_linears(*linears: nn.Linear) -> torch.Tensor:
-    fused = torch.cat([linear.weight for linear in linears], dim=0)
+def _fuse_linears(*linears: nn.Linear, part: str = "weight") -> torch.Tensor:
+    """Concatenate the linears' `part` ("weight" or "bias") along the output dim and make
+    each one's parameter a view of its rows of the result."""
+    fused = torch.cat([getattr(linear, part) for linear in linears], dim=0)
     start = 0
     for linear in linears:
-        rows = linear.weight.shape[0]
-        linear.weight = nn.Parameter(fused[start : start + rows], requires_grad=False)
-        start += rows
-    return fused
-
-
-def _fuse_biases(*linears: nn.Linear) -> torch.Tensor:
-    fused = torch.cat([linear.bias for linear in linears], dim=0)
-    start = 0
-    for linear in linears:
-        rows = linear.bias.shape[0]
-        linear.bias = nn.Parameter(fused[start : start + rows], requires_grad=False)
+        rows = getattr(linear, part).shape[0]
+        setattr(linear, part, nn.Parameter(fused[start : start + rows], requires_grad=False))
         start += rows
     return fused
 
