@@ -123,6 +123,43 @@ async def generate(
     return ids
 
 
+async def generate_alone(address: str, request_id: str, tokens: list[int]) -> list[int]:
+    """One shim alone (the reference of the PD tests)."""
+    channel, stub = engine_stub(address)
+    async with channel:
+        return await generate(stub, request_id, tokens)
+
+
+async def pd_flow(
+    prefill_address: str, decode_address: str, request_id: str, tokens: list[int], end: int = -1
+) -> tuple[list[int], engine_pb2.PrepRecvResponse, engine_pb2.RemoteSendResponse | None]:
+    """MLC's PD flow between two shims: PrepRecv on D, RemoteSend on P (skipped when D's
+    prefix cache already holds the window, MLC's rule), StartGenerate on D. Returns the
+    tokens, D's PrepRecv answer and P's RemoteSend answer (None when skipped)."""
+    p_channel, p_stub = engine_stub(prefill_address)
+    d_channel, d_stub = engine_stub(decode_address)
+    async with p_channel, d_channel:
+        prep = await d_stub.PrepRecv(
+            engine_pb2.PrepRecvRequest(
+                request_id=request_id, token_ids=tokens, end=end, sampling=greedy()
+            )
+        )
+        sent = None
+        if prep.prefix_matched_length < prep.end:
+            sent = await p_stub.RemoteSend(
+                engine_pb2.RemoteSendRequest(
+                    request_id=request_id,
+                    token_ids=tokens,
+                    begin=prep.prefix_matched_length,
+                    end=prep.end,
+                    kv_addr_info=prep.kv_addr_info,
+                    sampling=greedy(),
+                )
+            )
+        ids = await generate(d_stub, request_id, tokens, begin=prep.end)
+    return ids, prep, sent
+
+
 async def free_pages(stub: engine_pb2_grpc.EngineAsyncStub) -> int:
     status = await stub.GetStatus(engine_pb2.GetStatusRequest())
     return int(status.num_free_kv_pages)

@@ -20,7 +20,9 @@ from shim_helpers import (
     engine_stub,
     free_pages,
     generate,
+    generate_alone,
     greedy,
+    pd_flow,
     start_shim,
     wait_for_free_pages,
 )
@@ -48,33 +50,9 @@ def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
 async def _pd(
     p: ServiceProcess, d: ServiceProcess, request_id: str, tokens: list[int]
 ) -> tuple[list[int], dict]:
-    """PrepRecv on D, RemoteSend on P, StartGenerate on D; the tokens and D's kv_addr_info."""
-    p_channel, p_stub = engine_stub(p.address)
-    d_channel, d_stub = engine_stub(d.address)
-    async with p_channel, d_channel:
-        prep = await d_stub.PrepRecv(
-            engine_pb2.PrepRecvRequest(
-                request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
-            )
-        )
-        await p_stub.RemoteSend(
-            engine_pb2.RemoteSendRequest(
-                request_id=request_id,
-                token_ids=tokens,
-                begin=prep.prefix_matched_length,
-                end=prep.end,
-                kv_addr_info=prep.kv_addr_info,
-                sampling=greedy(),
-            )
-        )
-        ids = await generate(d_stub, request_id, tokens, begin=prep.end)
+    """The PD flow; the tokens and D's kv_addr_info."""
+    ids, prep, _ = await pd_flow(p.address, d.address, request_id, tokens)
     return ids, json.loads(prep.kv_addr_info)
-
-
-async def _alone(address: str, request_id: str, tokens: list[int]) -> list[int]:
-    channel, stub = engine_stub(address)
-    async with channel:
-        return await generate(stub, request_id, tokens)
 
 
 async def _logged_path(shim: ServiceProcess, request_id: str) -> str:
@@ -89,7 +67,7 @@ async def _logged_path(shim: ServiceProcess, request_id: str) -> str:
 
 async def test_pd_through_shared_memory_matches_single_shim(prefill_shim, decode_shim):
     tokens = [t + 120 for t in PROMPT]
-    expected = await _alone(prefill_shim.address, "shm-alone", tokens)
+    expected = await generate_alone(prefill_shim.address, "shm-alone", tokens)
     ids, info = await _pd(prefill_shim, decode_shim, "shm-pd", tokens)
     assert info["shm"]["host"] == host_identity()
     assert info["shm"]["pid"] == decode_shim.proc.pid
@@ -100,7 +78,7 @@ async def test_pd_through_shared_memory_matches_single_shim(prefill_shim, decode
 
 async def test_a_sender_with_shared_memory_off_pushes_over_grpc(shm_off_shim, decode_shim):
     tokens = [t + 121 for t in PROMPT]
-    expected = await _alone(shm_off_shim.address, "off-p-alone", tokens)
+    expected = await generate_alone(shm_off_shim.address, "off-p-alone", tokens)
     ids, info = await _pd(shm_off_shim, decode_shim, "off-p-pd", tokens)
     assert "shm" in info  # offered, but this sender does not use it
     assert await _logged_path(shm_off_shim, "off-p-pd") == "grpc"
@@ -111,7 +89,7 @@ async def test_a_receiver_with_shared_memory_off_offers_none_and_gets_grpc(
     prefill_shim, shm_off_shim
 ):
     tokens = [t + 122 for t in PROMPT]
-    expected = await _alone(prefill_shim.address, "off-d-alone", tokens)
+    expected = await generate_alone(prefill_shim.address, "off-d-alone", tokens)
     ids, info = await _pd(prefill_shim, shm_off_shim, "off-d-pd", tokens)
     assert "shm" not in info
     assert await _logged_path(prefill_shim, "off-d-pd") == "grpc"

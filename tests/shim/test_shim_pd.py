@@ -5,50 +5,15 @@ shim generates (StartGenerate); the tokens equal one shim alone at temperature 0
 from __future__ import annotations
 
 import pytest
-from shim_helpers import PROMPT, engine_stub, generate, greedy
-
-from microserving.v1 import engine_pb2
+from shim_helpers import PROMPT, generate_alone, pd_flow
 
 pytestmark = pytest.mark.e2e
 
 
-async def _pd(
-    prefill_address: str, decode_address: str, request_id: str, tokens: list[int], end: int
-) -> tuple[list[int], engine_pb2.PrepRecvResponse, engine_pb2.RemoteSendResponse | None]:
-    p_channel, p_stub = engine_stub(prefill_address)
-    d_channel, d_stub = engine_stub(decode_address)
-    async with p_channel, d_channel:
-        prep = await d_stub.PrepRecv(
-            engine_pb2.PrepRecvRequest(
-                request_id=request_id, token_ids=tokens, end=end, sampling=greedy()
-            )
-        )
-        sent = None
-        if prep.prefix_matched_length < prep.end:  # MLC's rule: skip remote_send on a full hit
-            sent = await p_stub.RemoteSend(
-                engine_pb2.RemoteSendRequest(
-                    request_id=request_id,
-                    token_ids=tokens,
-                    begin=prep.prefix_matched_length,
-                    end=prep.end,
-                    kv_addr_info=prep.kv_addr_info,
-                    sampling=greedy(),
-                )
-            )
-        ids = await generate(d_stub, request_id, tokens, begin=prep.end)
-    return ids, prep, sent
-
-
-async def _alone(address: str, request_id: str, tokens: list[int]) -> list[int]:
-    channel, stub = engine_stub(address)
-    async with channel:
-        return await generate(stub, request_id, tokens)
-
-
 async def test_pd_with_end_minus_1_matches_single_shim_at_temperature_0(prefill_shim, decode_shim):
     tokens = [t + 100 for t in PROMPT]
-    expected = await _alone(prefill_shim.address, "alone-end-1", tokens)
-    ids, prep, sent = await _pd(prefill_shim.address, decode_shim.address, "pd-end-1", tokens, -1)
+    expected = await generate_alone(prefill_shim.address, "alone-end-1", tokens)
+    ids, prep, sent = await pd_flow(prefill_shim.address, decode_shim.address, "pd-end-1", tokens, -1)
     assert prep.end == len(tokens) - 1 and prep.prefix_matched_length == 0
     assert sent is not None and sent.num_tokens_sent == len(tokens) - 1 and sent.num_bytes_sent > 0
     assert len(expected) == 16 and ids == expected
@@ -57,20 +22,20 @@ async def test_pd_with_end_minus_1_matches_single_shim_at_temperature_0(prefill_
 async def test_balanced_pd_at_factor_half_matches_single_shim(prefill_shim, decode_shim):
     tokens = [t + 50 for t in PROMPT] + [7, 8, 9]
     end = int((1 - 0.5) * len(tokens))
-    expected = await _alone(prefill_shim.address, "alone-half", tokens)
-    ids, prep, sent = await _pd(prefill_shim.address, decode_shim.address, "pd-half", tokens, end)
+    expected = await generate_alone(prefill_shim.address, "alone-half", tokens)
+    ids, prep, sent = await pd_flow(prefill_shim.address, decode_shim.address, "pd-half", tokens, end)
     assert prep.end == end and sent is not None and sent.num_tokens_sent == end
     assert ids == expected
 
 
 async def test_prefix_hit_on_decode_skips_remote_send_and_matches(prefill_shim, decode_shim):
     tokens = [t + 150 for t in PROMPT]
-    expected = await _alone(prefill_shim.address, "alone-prefix", tokens)
-    first, _, first_sent = await _pd(
+    expected = await generate_alone(prefill_shim.address, "alone-prefix", tokens)
+    first, _, first_sent = await pd_flow(
         prefill_shim.address, decode_shim.address, "pd-prefix-1", tokens, -1
     )
     end = len(tokens) - 2  # 48 = 3 whole pages, all cached on D by the first request
-    second, prep, sent = await _pd(
+    second, prep, sent = await pd_flow(
         prefill_shim.address, decode_shim.address, "pd-prefix-2", tokens, end
     )
     assert first_sent is not None and first == expected
