@@ -13,6 +13,7 @@ from stack_procs import (
     Service,
     Tracked,
     engine_health,
+    engine_status,
     greedy,
     start_router,
     start_shims,
@@ -85,6 +86,14 @@ async def test_stalled_shim_leaves_rotation_and_returns_after_sigcont(stack) -> 
         stalled.resume()
         back_s = await wait_until(is_back, 10, interval_s=0.02)
         assert back_s is not None
+
+        async def is_idle() -> bool:
+            # The aborts of the requests it held while stopped are processed after SIGCONT;
+            # until then the router sees it loaded and (least-loaded) may send it nothing.
+            status = await engine_status(stalled.address)
+            return status.num_running_requests == 0 and status.num_waiting_requests == 0
+
+        assert await wait_until(is_idle, 10, interval_s=0.02) is not None
         after = await _run(stub, names)
 
     for record in [*streaming, *during, *after]:
