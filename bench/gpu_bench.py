@@ -13,6 +13,7 @@ Prints a table and writes JSON: `python -m bench.gpu_bench --out DIR`.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import time
@@ -177,6 +178,37 @@ def _profile_forward(engine: LLMEngine, repeats: int = 5) -> None:
         print(f"    {e.self_device_time_total / repeats:9.1f} us  x{e.count / repeats:5.0f}  {e.key[:90]}")
 
 
+def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) -> None:
+    """The decode attention kernel alone (one layer, `context` keys a sequence over scattered
+    pages of the engine's pool) at every split count, beside the count the engine picks, for
+    tuning `num_splits_for`."""
+    import triton.testing
+
+    from engine_shim.engine.triton_attention import num_splits_for, paged_decode_attention
+
+    mc, page = engine.model_config, engine.page_size
+    kv = engine.kv_cache.kv
+    pages_per_seq = -(-context // page)
+    generator = torch.Generator().manual_seed(0)
+    for batch in batches:
+        if batch * pages_per_seq > engine.num_pages:
+            continue
+        order = torch.randperm(engine.num_pages, generator=generator)[: batch * pages_per_seq]
+        tables = order.view(batch, pages_per_seq).to(device="cuda", dtype=torch.int32)
+        lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+        q = torch.randn(batch, mc.num_heads, mc.head_dim, device="cuda", dtype=kv.dtype)
+        kv_bytes = batch * context * 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
+        picked = num_splits_for(batch, mc.num_kv_heads, "cuda")
+        cells = []
+        for splits in (1, 2, 4, 8, 16):
+            ms = triton.testing.do_bench(functools.partial(
+                paged_decode_attention, q, kv[0, 0], kv[0, 1], tables, lens, page,
+                mc.head_dim**-0.5, num_splits=splits))
+            cells.append(f"{splits}: {ms * 1e3:.1f} us ({kv_bytes / ms / 1e6:.0f} GB/s)"
+                         + (" *" if splits == picked else ""))
+        print(f"  attention sweep batch {batch}, context {context}: " + "; ".join(cells), flush=True)
+
+
 def hf_model(engine: LLMEngine) -> Any:
     """transformers' LlamaForCausalLM holding the engine's exact weights (names match HF)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -246,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-lens", default="1024,8192")
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--profile", action="store_true", help="kernel breakdown of each decode batch")
+    parser.add_argument("--sweep-attention", action="store_true",
+                        help="time the decode attention kernel at every split count")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
@@ -266,6 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     for batch in batches:
         figures.append(Figure("engine", "decode", batch, engine_decode(engine, batch, args.profile)))
         print(figures[-1].as_dict(), flush=True)
+    if args.sweep_attention:
+        sweep_attention_splits(engine, batches, PROMPT_LEN + NEW_TOKENS // 2)
     roofline = {b: roofline_tokens_per_s(engine, b, bandwidth) for b in batches}
     if not args.skip_hf:
         model = hf_model(engine)
