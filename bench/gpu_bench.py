@@ -201,7 +201,9 @@ def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) 
         picked = num_splits_for(batch, mc.num_kv_heads, "cuda")
         cells = []
         for splits in (1, 2, 4, 8, 16):
-            ms = triton.testing.do_bench(functools.partial(
+            # Replayed from a CUDA graph, as the engine runs it: with plain do_bench the
+            # Python launch of the one or two kernels (20-60 us) hid the GPU time.
+            ms = triton.testing.do_bench_cudagraph(functools.partial(
                 paged_decode_attention, q, kv[0, 0], kv[0, 1], tables, lens, page,
                 mc.head_dim**-0.5, num_splits=splits))
             cells.append(f"{splits}: {ms * 1e3:.1f} us ({kv_bytes / ms / 1e6:.0f} GB/s)"
