@@ -91,8 +91,11 @@ def engine_prefill(engine: LLMEngine, length: int, repeats: int = 3) -> float:
     return length / sorted(times[1:])[len(times[1:]) // 2]
 
 
-def engine_decode(engine: LLMEngine, batch: int, profile: bool = False) -> float:
-    """Decode tokens/s once every sequence has its first token (prefill excluded)."""
+def engine_decode(engine: LLMEngine, batch: int, profile: bool = False, chain: bool = True) -> float:
+    """Decode tokens/s once every sequence has its first token (prefill excluded); `chain`:
+    with or without chained decode steps (EngineConfig.chain_decode)."""
+    engine.chain_decode = chain
+    chained_before = engine.num_chained_steps
     sampling = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, PROMPT_LEN, engine.vocab_size, seed=batch)):
         engine.add_request(f"decode-{batch}-{i}", prompt, sampling)
@@ -120,8 +123,10 @@ def engine_decode(engine: LLMEngine, batch: int, profile: bool = False) -> float
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     graphs = engine.runner.graphs
-    print(f"  batch {batch}: {num_steps} steps, {elapsed / num_steps * 1e3:.2f} ms/step, "
+    print(f"  batch {batch}{'' if chain else ' unchained'}: {num_steps} steps, "
+          f"{elapsed / num_steps * 1e3:.2f} ms/step, "
           f"forward (graph replay or eager, synchronised) {forward_s * 1e3:.2f} ms, "
+          f"chained steps {engine.num_chained_steps - chained_before}, "
           f"graph replays so far {graphs.num_replays if graphs else 0}", flush=True)
     return num_tokens / elapsed
 
@@ -180,8 +185,8 @@ def _profile_forward(engine: LLMEngine, repeats: int = 5) -> None:
 
 def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) -> None:
     """The decode attention kernel alone (one layer, `context` keys a sequence over scattered
-    pages of the engine's pool) at every split count, beside the count the engine picks, for
-    tuning `num_splits_for`."""
+    pages of the engine's pool) at every split count, tile width and warp count, beside the
+    configuration the engine runs, for tuning `num_splits_for` and the launch options."""
     import triton.testing
 
     from engine_shim.engine.triton_attention import num_splits_for, paged_decode_attention
@@ -199,16 +204,23 @@ def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) 
         q = torch.randn(batch, mc.num_heads, mc.head_dim, device="cuda", dtype=kv.dtype)
         kv_bytes = batch * context * 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
         picked = num_splits_for(batch, mc.num_kv_heads, "cuda")
-        cells = []
+        timings: list[tuple[float, int, int, int | None]] = []
         for splits in (1, 2, 4, 8, 16):
-            # Replayed from a CUDA graph, as the engine runs it: with plain do_bench the
-            # Python launch of the one or two kernels (20-60 us) hid the GPU time.
-            ms = triton.testing.do_bench_cudagraph(functools.partial(
-                paged_decode_attention, q, kv[0, 0], kv[0, 1], tables, lens, page,
-                mc.head_dim**-0.5, num_splits=splits))
-            cells.append(f"{splits}: {ms * 1e3:.1f} us ({kv_bytes / ms / 1e6:.0f} GB/s)"
-                         + (" *" if splits == picked else ""))
-        print(f"  attention sweep batch {batch}, context {context}: " + "; ".join(cells), flush=True)
+            for block_n in (32, 64, 128):
+                for warps in (None, 2, 8):
+                    # Replayed from a CUDA graph, as the engine runs it: with plain do_bench
+                    # the Python launch of the one or two kernels (20-60 us) hid the GPU time.
+                    ms = triton.testing.do_bench_cudagraph(functools.partial(
+                        paged_decode_attention, q, kv[0, 0], kv[0, 1], tables, lens, page,
+                        mc.head_dim**-0.5, num_splits=splits, block_n=block_n, num_warps=warps))
+                    timings.append((ms, splits, block_n, warps))
+        engine_ms = next(t[0] for t in timings if t[1:] == (picked, 64, None))
+        best = sorted(timings)[:4]
+        cells = [f"splits {s} block {b} warps {w or 'default'}: {ms * 1e3:.1f} us "
+                 f"({kv_bytes / ms / 1e6:.0f} GB/s)" for ms, s, b, w in best]
+        print(f"  attention sweep batch {batch}, context {context}: engine's (splits {picked}, "
+              f"block 64, default warps) {engine_ms * 1e3:.1f} us ({kv_bytes / engine_ms / 1e6:.0f} "
+              f"GB/s); fastest: " + "; ".join(cells), flush=True)
 
 
 def hf_model(engine: LLMEngine) -> Any:
@@ -299,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     for length in lengths:
         figures.append(Figure("engine", f"prefill_{length}", 1, engine_prefill(engine, length)))
         print(figures[-1].as_dict(), flush=True)
-    for batch in batches:
+    for batch in batches:  # without chained steps first, then as the engine runs by default
+        figures.append(Figure("engine-unchained", "decode", batch, engine_decode(engine, batch, chain=False)))
+        print(figures[-1].as_dict(), flush=True)
         figures.append(Figure("engine", "decode", batch, engine_decode(engine, batch, args.profile)))
         print(figures[-1].as_dict(), flush=True)
     if args.sweep_attention:

@@ -190,6 +190,11 @@ class EngineConfig:
     # so the host's text and delta work runs while the device computes. None: on CUDA only
     # (on the CPU the forward itself is the host's work, so there is nothing to overlap).
     overlap_steps: bool | None = None
+    # With overlap_steps: when the running batch is all plain-greedy decode (no stop
+    # strings, n = 1) and nothing waits, launch step N+1 before step N's tokens reach the
+    # host, its input ids taken on the device from step N's argmax, so the device never
+    # waits for the host between decode steps. None: the value of overlap_steps.
+    chain_decode: bool | None = None
     extra: dict[str, str] = field(default_factory=dict)  # reserved; must stay empty
 
     def __post_init__(self) -> None:

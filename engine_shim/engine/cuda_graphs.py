@@ -10,7 +10,10 @@ All metadata lives in static tensors (token ids, positions, slot mapping, contex
 block tables), views of one int64 device buffer that a single copy from a pinned host buffer
 fills before each replay (one transfer a step instead of five copies and five fills); the
 decode attention kernel reads its loop bounds from them on the device. The graph also takes
-the argmax of every row, so a greedy step reads back only the token ids.
+the argmax of every row, so a greedy step reads back only the token ids: each replay queues
+their copy into a pinned host buffer of its own (a ring, so a step launched before the last
+one's ids were read does not overwrite them). A chained step (LLMEngine with chain_decode)
+takes its input ids from an earlier replay's argmax on the device, gathered by row.
 """
 
 from __future__ import annotations
@@ -36,13 +39,35 @@ class _Captured:
 
 @dataclass
 class DecodeInputs:
-    """One decode step's metadata as Python ints, for B live rows."""
+    """One decode step's metadata as Python ints, for B live rows. When the input ids are
+    fed from the device (`Feed`), input_ids holds each row's index in the feeding step."""
 
     input_ids: list[int]
     positions: list[int]
     slot_mapping: list[int]
     context_lens: list[int]
     block_tables: list[list[int]]
+
+
+@dataclass
+class Feed:
+    """Input ids that live on the device: row i of the step takes source[rows[i]] (the argmax
+    of an earlier step, not yet read back)."""
+
+    source: torch.Tensor  # [rows of the earlier step] int64 on the device
+    rows: list[int]
+
+
+@dataclass
+class ReadBack:
+    """A step's argmax on its way to a pinned host buffer."""
+
+    host: torch.Tensor  # [B] int64, pinned
+    ready: torch.cuda.Event
+
+    def tolist(self) -> list[int]:
+        self.ready.synchronize()
+        return self.host.tolist()  # type: ignore[no-any-return]
 
 
 class DecodeGraphRunner:
@@ -58,21 +83,30 @@ class DecodeGraphRunner:
         device = kv.device
         size = self.buckets[-1]
         self.max_pages_per_seq = max_pages_per_seq
-        # Layout: ids | positions | slots | context lens (size each) | tables (size x pages).
-        # The rows of a bucket b are the first b of each vector and the first b table rows, so
-        # one copy of host[: 4 * size + b * pages] brings a step's metadata across.
-        numel = size * (4 + max_pages_per_seq)
+        # Layout: ids | positions | slots | context lens | fed rows (size each) | tables
+        # (size x pages). The rows of a bucket b are the first b of each vector and the first
+        # b table rows, so one copy of host[: 5 * size + b * pages] brings a step's metadata
+        # across.
+        numel = size * (5 + max_pages_per_seq)
         self._host = torch.zeros(numel, dtype=torch.int64, pin_memory=True)
         self._host_np = self._host.numpy()
         self._device = torch.zeros(numel, dtype=torch.int64, device=device)
         self._copied = torch.cuda.Event()
-        self.input_ids, self.positions, self.slot_mapping, self.context_lens = (
-            self._device[i * size : (i + 1) * size] for i in range(4)
+        self.input_ids, self.positions, self.slot_mapping, self.context_lens, self._fed_rows = (
+            self._device[i * size : (i + 1) * size] for i in range(5)
         )
-        self.block_tables = self._device[4 * size :].view(size, max_pages_per_seq)
+        self.block_tables = self._device[5 * size :].view(size, max_pages_per_seq)
         h = self._host_np
-        self._h_ids, self._h_pos, self._h_slots, self._h_lens = (h[i * size : (i + 1) * size] for i in range(4))
-        self._h_tables = h[4 * size :].reshape(size, max_pages_per_seq)
+        self._h_ids, self._h_pos, self._h_slots, self._h_lens, self._h_fed = (
+            h[i * size : (i + 1) * size] for i in range(5)
+        )
+        self._h_tables = h[5 * size :].reshape(size, max_pages_per_seq)
+        # Read-back ring: at most two steps are in flight (one launched, one being read).
+        self._read_back = [
+            (torch.zeros(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
+            for _ in range(4)
+        ]
+        self._read_back_turn = 0
         self._graphs: dict[int, _Captured] = {}
         self.num_replays = 0
         self._pool: Any = None  # the first graph's memory pool handle, shared by the others
@@ -126,7 +160,7 @@ class DecodeGraphRunner:
         self._h_tables[start:end, 0] = self.scratch_slot // self.page_size
 
     def _upload(self, bucket: int) -> None:
-        numel = 4 * self.max_batch + bucket * self.max_pages_per_seq
+        numel = 5 * self.max_batch + bucket * self.max_pages_per_seq
         self._device[:numel].copy_(self._host[:numel], non_blocking=True)
         self._copied.record()
 
@@ -134,17 +168,22 @@ class DecodeGraphRunner:
         return next((b for b in self.buckets if b >= batch), None)
 
     @torch.inference_mode()
-    def run(self, inputs: DecodeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, inputs: DecodeInputs, feed: Feed | None = None) -> tuple[torch.Tensor, torch.Tensor, ReadBack]:
         """Replays the graph of the smallest bucket that holds the B live rows (every block
         table no wider than max_pages_per_seq). Returns logits [B, vocab] fp32 and their
-        argmax [B] int64, views into the graph's outputs (valid until the next replay)."""
-        n = len(inputs.input_ids)
+        argmax [B] int64, views into the graph's outputs (valid until the next replay of the
+        bucket), and the argmax's read-back. With a feed, the input ids are gathered on the
+        device from feed.source (inputs.input_ids is ignored)."""
+        n = len(inputs.positions)
         bucket = self.bucket_for(n)
         if bucket is None or bucket not in self._graphs:
             raise ValueError(f"no captured graph for batch {n}")
         # The last step's copy must have left the pinned buffer before it is rewritten.
         self._copied.synchronize()
-        self._h_ids[:n] = inputs.input_ids
+        if feed is None:
+            self._h_ids[:n] = inputs.input_ids
+        else:
+            self._h_fed[:n] = feed.rows
         self._h_pos[:n] = inputs.positions
         self._h_slots[:n] = inputs.slot_mapping
         self._h_lens[:n] = inputs.context_lens
@@ -153,7 +192,15 @@ class DecodeGraphRunner:
             tables[row, : len(table)] = table
         self._fill_padding(n, bucket)
         self._upload(bucket)
+        if feed is not None:
+            # Stream-ordered: reads the earlier step's argmax before this replay rewrites it.
+            torch.index_select(feed.source, 0, self._fed_rows[:n], out=self.input_ids[:n])
         captured = self._graphs[bucket]
         captured.graph.replay()
         self.num_replays += 1
-        return captured.logits[:n], captured.argmax[:n]
+        host, ready = self._read_back[self._read_back_turn]
+        self._read_back_turn = (self._read_back_turn + 1) % len(self._read_back)
+        ready.synchronize()  # its previous use was read long ago; this never waits in practice
+        host[:n].copy_(captured.argmax[:n], non_blocking=True)
+        ready.record()
+        return captured.logits[:n], captured.argmax[:n], ReadBack(host[:n], ready)

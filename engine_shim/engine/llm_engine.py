@@ -33,6 +33,7 @@ from .api import (
 )
 from .block_manager import BlockManager, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
+from .cuda_graphs import Feed
 from .disaggregation import (
     DisaggregationOps,
     EngineEvent,
@@ -63,6 +64,9 @@ logger = logging.getLogger(__name__)
 class _Launched:
     batch: list[ScheduledSeq]
     result: RunResult
+    # Launched by _launch_chained: its positions count as computed only once the feeding
+    # step's tokens are on the host (_settle_chained).
+    chained: bool = False
 
 
 class LLMEngine(DisaggregationOps):
@@ -101,7 +105,9 @@ class LLMEngine(DisaggregationOps):
             config.overlap_steps if config.overlap_steps is not None
             else torch.device(config.device).type == "cuda"
         )
+        self.chain_decode = self.overlap_steps if config.chain_decode is None else config.chain_decode
         self._in_flight: _Launched | None = None
+        self.num_chained_steps = 0  # decode steps launched by _launch_chained (for tests, benches)
         self._deferred: dict[str, GenerateRequest] = {}
         self._next_seq_id = 0
         self._rng = torch.Generator().manual_seed(config.seed)
@@ -220,7 +226,14 @@ class LLMEngine(DisaggregationOps):
         self.reap_expired_reservations()
         if self._in_flight is not None:
             previous, self._in_flight = self._in_flight, None
+            chained = self._launch_chained(previous) if self.overlap_steps and self.chain_decode else None
             self._collect(previous)
+            if chained is not None:
+                self._settle_chained(chained)
+                self._in_flight = chained
+                self._finish_deferred_text()  # runs while the device computes the chained step
+                events, self._events = self._events, []
+                return events
         out = self.scheduler.schedule()
         if out.preempted_aborted or out.out_of_pages:
             self._finish_deferred_text()  # their finishing events come after earlier deltas
@@ -243,7 +256,9 @@ class LLMEngine(DisaggregationOps):
         needs_logits = [
             s.seq.kind is SeqKind.GENERATE and s.num_tokens == s.seq.num_pending_tokens for s in batch
         ]
-        result = self.runner.run(batch, needs_logits)  # asynchronous on CUDA
+        # asynchronous on CUDA; a pure decode step keeps its argmax on the device to feed a
+        # chained step
+        result = self.runner.run(batch, needs_logits, keep_argmax=self.chain_decode)
         for item in batch:
             self.scheduler.on_computed(item)
             if item.seq.kind is SeqKind.SEND and item.seq.num_pending_tokens == 0:
@@ -251,6 +266,51 @@ class LLMEngine(DisaggregationOps):
                 item.seq.status = SeqStatus.PARKED
                 self._on_send_ready(item.seq)
         return _Launched(batch, result)
+
+    def _launch_chained(self, previous: _Launched) -> _Launched | None:
+        """The next decode step of `previous`'s sequences, launched before previous's tokens
+        are read back: each row's input id is previous's argmax on the device. Only when that
+        argmax is the token the host will append (every request plain greedy, n = 1, no stop
+        strings, so no text decides a finish) and the step is exactly what schedule() would
+        run after collecting: nothing waits, every running sequence is one of previous's rows
+        and none has a token pending. A sequence that finishes with previous's token wastes
+        its row of this step (its KV write lands in its own pages, released after this launch
+        and reused only by later work on the same stream)."""
+        result = previous.result
+        if result.argmax is None or self.scheduler.waiting or not self.scheduler.running:
+            return None
+        rows: list[int] = []
+        batch: list[ScheduledSeq] = []
+        for row, index in enumerate(result.sampled_index):
+            seq = previous.batch[index].seq
+            if seq.is_finished:
+                continue  # ended by an earlier step's token: no row this time
+            request = self._requests.get(seq.request_id)
+            if (
+                request is None or seq.status is not SeqStatus.RUNNING or seq.num_pending_tokens != 0
+                or seq.kind is not SeqKind.GENERATE or not self._chains(request)
+            ):
+                return None
+            rows.append(row)
+            batch.append(ScheduledSeq(seq, 1))
+        if len(batch) != len(self.scheduler.running):
+            return None  # another sequence (a prefill, a send job) needs schedule()
+        for item in batch:  # the page of each next position; none free: schedule() decides
+            if not self.scheduler.ensure_pages(item.seq, 1):
+                return None
+        result = self.runner.run(batch, [True] * len(batch), feed=Feed(result.argmax, rows))
+        self.num_chained_steps += 1
+        return _Launched(batch, result, chained=True)
+
+    def _chains(self, request: GenerateRequest) -> bool:
+        sampling = request.sampling
+        return sampling.n == 1 and not sampling.stop and is_plain_greedy(sampling)
+
+    def _settle_chained(self, launched: _Launched) -> None:
+        # The feeding step's tokens are appended now; the chained positions hold their KV.
+        for item in launched.batch:
+            if not item.seq.is_finished:
+                self.scheduler.on_computed(item)
 
     def _collect(self, launched: _Launched) -> None:
         """Sample the launched forward's rows (waiting for the device) and emit, or defer the

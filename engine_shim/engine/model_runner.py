@@ -5,6 +5,10 @@ On CUDA a pure decode step (one token per sequence) takes a faster road: metadat
 Python ints in one pass, the Triton paged-attention kernel, and a CUDA-graph replay when the
 batch fits a captured bucket. Logits stay on the device; greedy rows are reduced to token ids
 there and only rows that need full sampling are copied to the host.
+
+A pure decode step may be fed (`Feed`): its input ids are an earlier step's argmax, still on
+the device, so it can be launched before that step's tokens reach the host (the engine's
+chain_decode). Such steps also keep their argmax on the device for the step after.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 from . import triton_attention
 from .attention import AttnContext, PagedDecode, SeqAttnInfo, build_decode_batch
 from .config import ModelConfig
-from .cuda_graphs import DecodeGraphRunner, DecodeInputs
+from .cuda_graphs import DecodeGraphRunner, DecodeInputs, Feed, ReadBack
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import ScheduledSeq
@@ -28,7 +32,8 @@ class RunResult:
     # scheduled[sampled_index[i]]
     logits: torch.Tensor
     sampled_index: list[int]
-    argmax: torch.Tensor | None = None  # [rows] int64 on the device, when the graph took it
+    argmax: torch.Tensor | None = None  # [rows] int64 on the device, when the step took it
+    read_back: ReadBack | None = None  # argmax on its way to the host (graph replays)
     _greedy: dict[int, int] | None = None
     _host_rows: dict[int, torch.Tensor] | None = None
 
@@ -38,7 +43,10 @@ class RunResult:
         other_rows = [r for r, plain in enumerate(is_plain_greedy) if not plain]
         self._greedy = {}
         if greedy_rows:
-            if self.argmax is not None:  # one small read-back for every row
+            if self.read_back is not None:  # already on its way: wait for it alone
+                all_ids = self.read_back.tolist()
+                ids = [all_ids[r] for r in greedy_rows]
+            elif self.argmax is not None:  # one small read-back for every row
                 all_ids = self.argmax.tolist()
                 ids = [all_ids[r] for r in greedy_rows]
             else:
@@ -87,9 +95,17 @@ class ModelRunner:
         self.graphs = runner
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> RunResult:
-        if self.use_paged_decode_kernel and _is_pure_decode(batch):
-            return self._run_paged_decode(batch, needs_logits)
+    def run(
+        self, batch: list[ScheduledSeq], needs_logits: list[bool], feed: Feed | None = None,
+        keep_argmax: bool = False,
+    ) -> RunResult:
+        """feed: the input ids of a pure decode batch, on the device. keep_argmax: a pure
+        decode batch whose every row samples returns its argmax on the device (RunResult.argmax),
+        so a later step can be fed from it."""
+        if feed is not None and not (_is_fed_decode(batch) and all(needs_logits)):
+            raise ValueError("only a decode batch whose every row samples can be fed")
+        if self.use_paged_decode_kernel and (feed is not None or _is_pure_decode(batch)):
+            return self._run_paged_decode(batch, needs_logits, feed)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
@@ -101,7 +117,10 @@ class ModelRunner:
             end = begin + item.num_tokens
             slots = self._slots(seq.block_table, end)  # [end]
             seq_infos.append(SeqAttnInfo(len(input_ids), item.num_tokens, end, slots))
-            input_ids.extend(seq.token_ids[begin:end])
+            if feed is None:
+                input_ids.extend(seq.token_ids[begin:end])
+            else:
+                input_ids.append(0)  # replaced by the fed id below
             positions.extend(range(begin, end))
             slot_mapping.extend(slots[begin:end].tolist())
             if needs_logits[i]:
@@ -114,8 +133,12 @@ class ModelRunner:
         )
         if len(seq_infos) > 1 and all(s.q_len == 1 for s in seq_infos):
             ctx.decode = build_decode_batch(seq_infos, self.config.sliding_window)
+        ids_t = (
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device) if feed is None
+            else _fed_ids(feed, self.device)
+        )
         hidden = self.model(
-            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            ids_t,
             torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache.kv,
             ctx,
@@ -124,14 +147,18 @@ class ModelRunner:
             return RunResult(torch.empty(0, self.config.vocab_size), [])
         rows = torch.tensor(last_token_rows, dtype=torch.int64, device=self.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        return RunResult(logits, sampled_index)
+        keep = (feed is not None or keep_argmax) and len(sampled_index) == len(batch) and _is_fed_decode(batch)
+        return RunResult(logits, sampled_index, logits.argmax(dim=-1) if keep else None)
 
-    def _run_paged_decode(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> RunResult:
+    def _run_paged_decode(
+        self, batch: list[ScheduledSeq], needs_logits: list[bool], feed: Feed | None
+    ) -> RunResult:
         page_size = self.page_size
         inputs = DecodeInputs([], [], [], [], [])
         for item in batch:
             seq, pos = item.seq, item.seq.num_computed_tokens
-            inputs.input_ids.append(seq.token_ids[pos])
+            if feed is None:
+                inputs.input_ids.append(seq.token_ids[pos])
             inputs.positions.append(pos)
             inputs.slot_mapping.append(seq.block_table[pos // page_size] * page_size + pos % page_size)
             inputs.context_lens.append(pos + 1)
@@ -139,8 +166,9 @@ class ModelRunner:
         width = max(len(table) for table in inputs.block_tables)
         graphs = self.graphs
         argmax: torch.Tensor | None = None
+        read_back: ReadBack | None = None
         if graphs is not None and len(batch) <= graphs.max_batch and width <= graphs.max_pages_per_seq:
-            logits, argmax = graphs.run(inputs)
+            logits, argmax, read_back = graphs.run(inputs, feed)
         else:
             device = self.device
             tables = [table + [0] * (width - len(table)) for table in inputs.block_tables]
@@ -151,20 +179,34 @@ class ModelRunner:
                     torch.tensor(inputs.context_lens, dtype=torch.int32, device=device), page_size,
                 ),
             )
-            ids_t = torch.tensor(inputs.input_ids, dtype=torch.int64, device=device)
+            ids_t = (
+                torch.tensor(inputs.input_ids, dtype=torch.int64, device=device) if feed is None
+                else _fed_ids(feed, device)
+            )
             pos_t = torch.tensor(inputs.positions, dtype=torch.int64, device=device)
             logits = self.model.logits(self.model(ids_t, pos_t, self.kv_cache.kv, ctx))
+            argmax = logits.argmax(dim=-1)
         sampled_index = [i for i, needed in enumerate(needs_logits) if needed]
         if len(sampled_index) != len(batch):
             logits = logits[sampled_index]
-            argmax = None
-        return RunResult(logits, sampled_index, argmax)
+            argmax = read_back = None
+        return RunResult(logits, sampled_index, argmax, read_back)
 
     def _slots(self, block_table: list[int], num_positions: int) -> torch.Tensor:
         # position p -> table[p // page_size] * page_size + p % page_size; [num_positions]
         table = torch.tensor(block_table, dtype=torch.int64, device=self.device)
         pos = torch.arange(num_positions, dtype=torch.int64, device=self.device)
         return table[pos // self.page_size] * self.page_size + pos % self.page_size
+
+
+def _fed_ids(feed: Feed, device: torch.device) -> torch.Tensor:
+    rows = torch.tensor(feed.rows, dtype=torch.int64).to(device, non_blocking=True)
+    return feed.source.index_select(0, rows)
+
+
+def _is_fed_decode(batch: list[ScheduledSeq]) -> bool:
+    # One new position per sequence, its token not necessarily on the host yet.
+    return bool(batch) and all(item.num_tokens == 1 for item in batch)
 
 
 def _is_pure_decode(batch: list[ScheduledSeq]) -> bool:

@@ -145,6 +145,10 @@ class Scheduler:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.block_manager.record_prefix_query(seq.max_prefix_match_tokens, seq.num_computed_tokens)
 
+    def ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        """Pages for positions up to num_computed_tokens + num_tokens, if free ones remain."""
+        return self._ensure_pages(seq, num_tokens)
+
     def _ensure_pages(self, seq: Sequence, num_tokens: int) -> bool:
         needed = num_pages_for(seq.num_computed_tokens + num_tokens, self.block_manager.page_size)
         missing = needed - len(seq.block_table)

@@ -141,7 +141,7 @@ def num_splits_for(batch: int, num_kv_heads: int, device: torch.device | str) ->
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
-    num_splits: int | None = None,
+    num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence.
 
@@ -149,8 +149,9 @@ def paged_decode_attention(
     [num_slots, Hkv, D] (slot = page * page_size + offset); block_tables: [B, max_pages]
     int32; context_lens: [B] int32 (keys visible, incl. the new token, whose K/V must already
     be written). `num_splits` (a power of two; default from `num_splits_for`) cuts each
-    context into parts run by separate programs and merged by a second kernel. Returns
-    [B, Hq, D] in q's dtype.
+    context into parts run by separate programs and merged by a second kernel. `block_n`
+    (positions a tile) and `num_warps` (Triton's default when None) are there for tuning
+    (gpu_bench --sweep-attention). Returns [B, Hq, D] in q's dtype.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
@@ -165,9 +166,10 @@ def paged_decode_attention(
         partial = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)
-    # 64 positions a tile whatever the page size: each position finds its page through the
-    # block table, so tiles may span pages (fewer loop trips than one tile per page).
-    block_n = 64
+    # 64 positions a tile by default, whatever the page size: each position finds its page
+    # through the block table, so tiles may span pages (fewer loop trips than one tile per
+    # page).
+    launch_options = {} if num_warps is None else {"num_warps": num_warps}
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, partial, m, l_sum, block_tables, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -178,6 +180,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits,
         # fp32 (the CPU-interpreter tests) wants exact products; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        **launch_options,
     )
     if splits > 1:
         _combine_splits_kernel[(batch, num_heads)](

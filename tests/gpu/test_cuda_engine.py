@@ -141,6 +141,38 @@ def test_cuda_graph_decode_equals_eager_decode() -> None:
     assert with_graphs == eager
 
 
+def test_chained_graph_decode_equals_the_plain_engine() -> None:
+    # Chained steps (on by default on CUDA) feed each replay's input ids from the previous
+    # replay's argmax on the device. fp32, so that a request arriving one step later than in
+    # the plain engine (its prefill then shares a batch with other decode rows) cannot flip a
+    # near-tie of the random model.
+    chained, plain = _cuda_engine(dtype="float32"), _cuda_engine(dtype="float32", overlap_steps=False)
+    assert chained.chain_decode and chained.overlap_steps and chained.runner.graphs is not None
+    baseline = chained.status().num_free_pages
+    prompts = {f"c{i}": _prompt(300 + i, 4 + 37 * i) for i in range(8)}
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        for i, (request_id, ids) in enumerate(prompts.items()):
+            sampling = SamplingParams(temperature=0.0, max_tokens=10 + 5 * i, ignore_eos=True)
+            engine.add_request(request_id, ids, sampling)
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_work:
+            steps += 1
+            if steps == 12:  # a late arrival breaks the chain; it resumes after its prefill
+                engine.add_request("late", _prompt(399, 50), GREEDY)
+            for event in engine.step():
+                for delta in getattr(event, "deltas", ()):
+                    tokens.setdefault(event.request_id, []).extend(delta.token_ids)
+        return tokens
+
+    replays = chained.runner.graphs.num_replays
+    got, expected = run(chained), run(plain)
+    assert got == expected and len(got) == 9
+    assert chained.num_chained_steps >= 20 and chained.runner.graphs.num_replays - replays >= 20
+    assert chained.status().num_free_pages == baseline
+
+
 def test_batched_decode_of_16_mixed_lengths_equals_each_alone() -> None:
     # fp32: in bf16, cuBLAS picks other kernels for other batch sizes and near-ties of a
     # random model flip (seen on the H200); batching itself must not change anything.
