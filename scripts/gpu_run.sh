@@ -19,7 +19,7 @@ for step in $steps; do
     tests)
       timeout 240 "$python" -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
     bench)
-      timeout 360 "$python" -m bench.gpu_bench ${GPU_BENCH_ARGS:-} --out "$out" 2>&1 \
+      timeout "${GPU_BENCH_TIMEOUT_S:-360}" "$python" -m bench.gpu_bench ${GPU_BENCH_ARGS:-} --out "$out" 2>&1 \
         | grep -v Warning | tee "$out/gpu_bench.log" | grep -v '^ \|^{\|^}' ;;
     kv)
       timeout 180 "$python" -m bench.kv_bench --device cuda --model llama-1b --tokens 1024 8176 \
