@@ -15,6 +15,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 "$python" -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/machine.txt"
 
 for step in $steps; do
+  echo "== $step at $(date +%T)" | tee -a "$out/steps.txt"
   case "$step" in
     tests)
       timeout 240 "$python" -m pytest -q tests/gpu -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -25 ;;
@@ -32,3 +33,4 @@ for step in $steps; do
         --up-arg=--device=cuda --out "$out/stack" 2>&1 | tail -30 | tee "$out/stack.log" ;;
   esac
 done
+echo "== done at $(date +%T)" | tee -a "$out/steps.txt"
