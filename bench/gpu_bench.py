@@ -205,7 +205,7 @@ def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) 
         kv_bytes = batch * context * 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
         picked = num_splits_for(batch, mc.num_kv_heads, "cuda")
         timings: list[tuple[float, int, int, int | None]] = []
-        for splits in (1, 2, 4, 8):
+        for splits in sorted({1, 2, 4, 8, picked}):
             for block_n in (32, 64, 128):
                 for warps in (None, 2, 8):
                     # Replayed from a CUDA graph, as the engine runs it: with plain do_bench
