@@ -186,10 +186,10 @@ def _profile_forward(engine: LLMEngine, repeats: int = 5) -> None:
 def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) -> None:
     """The decode attention kernel alone (one layer, `context` keys a sequence over scattered
     pages of the engine's pool) at every split count, tile width and warp count, beside the
-    configuration the engine runs, for tuning `num_splits_for` and the launch options."""
+    configuration the engine runs (`launch_config`), for tuning it."""
     import triton.testing
 
-    from engine_shim.engine.triton_attention import num_splits_for, paged_decode_attention
+    from engine_shim.engine.triton_attention import launch_config, paged_decode_attention
 
     mc, page = engine.model_config, engine.page_size
     kv = engine.kv_cache.kv
@@ -203,24 +203,26 @@ def sweep_attention_splits(engine: LLMEngine, batches: list[int], context: int) 
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
         q = torch.randn(batch, mc.num_heads, mc.head_dim, device="cuda", dtype=kv.dtype)
         kv_bytes = batch * context * 2 * mc.num_kv_heads * mc.head_dim * kv.element_size()
-        picked = num_splits_for(batch, mc.num_kv_heads, "cuda")
-        timings: list[tuple[float, int, int, int | None]] = []
-        for splits in sorted({1, 2, 4, 8, picked}):
+        picked = launch_config(batch, mc.num_kv_heads, "cuda")
+        timings: list[tuple[float, int, int, int]] = []
+        for splits in sorted({1, 2, 4, 8, picked.num_splits}):
             for block_n in (32, 64, 128):
-                for warps in (None, 2, 8):
+                for warps in (2, 4, 8):
                     # Replayed from a CUDA graph, as the engine runs it: with plain do_bench
                     # the Python launch of the one or two kernels (20-60 us) hid the GPU time.
                     ms = triton.testing.do_bench_cudagraph(functools.partial(
                         paged_decode_attention, q, kv[0, 0], kv[0, 1], tables, lens, page,
                         mc.head_dim**-0.5, num_splits=splits, block_n=block_n, num_warps=warps))
                     timings.append((ms, splits, block_n, warps))
-        engine_ms = next(t[0] for t in timings if t[1:] == (picked, 64, None))
+        engine_ms = next(t[0] for t in timings
+                         if t[1:] == (picked.num_splits, picked.block_n, picked.num_warps))
         best = sorted(timings)[:4]
-        cells = [f"splits {s} block {b} warps {w or 'default'}: {ms * 1e3:.1f} us "
+        cells = [f"splits {s} block {b} warps {w}: {ms * 1e3:.1f} us "
                  f"({kv_bytes / ms / 1e6:.0f} GB/s)" for ms, s, b, w in best]
-        print(f"  attention sweep batch {batch}, context {context}: engine's (splits {picked}, "
-              f"block 64, default warps) {engine_ms * 1e3:.1f} us ({kv_bytes / engine_ms / 1e6:.0f} "
-              f"GB/s); fastest: " + "; ".join(cells), flush=True)
+        print(f"  attention sweep batch {batch}, context {context}: engine's (splits "
+              f"{picked.num_splits}, block {picked.block_n}, warps {picked.num_warps}) "
+              f"{engine_ms * 1e3:.1f} us ({kv_bytes / engine_ms / 1e6:.0f} GB/s); fastest: "
+              + "; ".join(cells), flush=True)
 
 
 def hf_model(engine: LLMEngine) -> Any:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -123,42 +124,66 @@ def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def num_splits_for(batch: int, num_kv_heads: int, device: torch.device | str) -> int:
-    """How many parts to cut each context into: enough programs for about four per
-    multiprocessor when batch x KV heads alone is fewer (at batch 1 a 1B Llama has 8 KV heads:
-    8 programs on 132 multiprocessors; at batch 32, 256 programs ran the kernel at 44 % of
-    the copy bandwidth, against 70 % with 1,024 at batch 128). A power of two, at most 16."""
+@dataclass(frozen=True)
+class LaunchConfig:
+    num_splits: int  # parts each context is cut into (a power of two)
+    block_n: int  # positions a tile
+    num_warps: int
+
+
+def launch_config(batch: int, num_kv_heads: int, device: torch.device | str) -> LaunchConfig:
+    """The decode kernel's launch for a batch, from `gpu_bench --sweep-attention` on an H200
+    (132 multiprocessors; 1B Llama, 8 KV heads, 576-key contexts, each kernel replayed from a
+    CUDA graph):
+    - fewer programs (batch x KV heads) than multiprocessors: split each context for about
+      four programs a multiprocessor (a power of two, at most 16); batch 1 ran 5.9 us this
+      way, against 20+ us unsplit;
+    - up to four programs a multiprocessor: one split, 128-position tiles (batch 32: 13.1 us,
+      2.9 TB/s, against 15.2 us with four splits of 64-position tiles plus the merge);
+    - more: one split, 64-position tiles, two warps (batch 128: 41.8 us, 3.6 TB/s, against
+      50.6 us with four warps)."""
     dev = torch.device(device)
     if dev.type != "cuda":
-        return 1
+        return LaunchConfig(1, 64, 4)
     sms = _multiprocessors(dev.index if dev.index is not None else torch.cuda.current_device())
     programs = batch * num_kv_heads
-    if programs >= 4 * sms:
-        return 1
-    return min(16, triton.next_power_of_2(triton.cdiv(4 * sms, programs)))
+    if programs < sms:
+        return LaunchConfig(min(16, triton.next_power_of_2(triton.cdiv(4 * sms, programs))), 64, 4)
+    if programs <= 4 * sms:
+        return LaunchConfig(1, 128, 4)
+    return LaunchConfig(1, 64, 2)
+
+
+def num_splits_for(batch: int, num_kv_heads: int, device: torch.device | str) -> int:
+    """How many parts the engine cuts each context into for this batch (launch_config)."""
+    return launch_config(batch, num_kv_heads, device).num_splits
 
 
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
-    num_splits: int | None = None, block_n: int = 64, num_warps: int | None = None,
+    num_splits: int | None = None, block_n: int | None = None, num_warps: int | None = None,
 ) -> torch.Tensor:
     """One query token per sequence.
 
     q: [B, Hq, D] (rows may be strided, e.g. the q part of fused qkv rows); k_cache, v_cache:
     [num_slots, Hkv, D] (slot = page * page_size + offset); block_tables: [B, max_pages]
     int32; context_lens: [B] int32 (keys visible, incl. the new token, whose K/V must already
-    be written). `num_splits` (a power of two; default from `num_splits_for`) cuts each
-    context into parts run by separate programs and merged by a second kernel. `block_n`
-    (positions a tile) and `num_warps` (Triton's default when None) are there for tuning
-    (gpu_bench --sweep-attention). Returns [B, Hq, D] in q's dtype.
+    be written). `num_splits` (a power of two) cuts each context into parts run by separate
+    programs and merged by a second kernel; `block_n` is the positions a tile, `num_warps`
+    the warps a program. Each left out comes from `launch_config` for this batch (the
+    others are there for tests and gpu_bench --sweep-attention). Returns [B, Hq, D] in q's
+    dtype.
     """
     if triton is None:
         raise RuntimeError("Triton is not installed")
     batch, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    splits = num_splits if num_splits is not None else num_splits_for(batch, num_kv_heads, q.device)
+    tuned = launch_config(batch, num_kv_heads, q.device)
+    splits = tuned.num_splits if num_splits is None else num_splits
+    block_n = tuned.block_n if block_n is None else block_n
+    num_warps = tuned.num_warps if num_warps is None else num_warps
     out = torch.empty(batch, num_heads, head_dim, dtype=q.dtype, device=q.device)
     if splits == 1:
         partial, m, l_sum = out.unsqueeze(2), out, out  # m, l unused with one split
@@ -166,10 +191,9 @@ def paged_decode_attention(
         partial = torch.empty(batch, num_heads, splits, head_dim, dtype=torch.float32, device=q.device)
         m = torch.empty(batch, num_heads, splits, dtype=torch.float32, device=q.device)
         l_sum = torch.empty_like(m)
-    # 64 positions a tile by default, whatever the page size: each position finds its page
+    # Tiles are whole positions, whatever the page size: each position finds its page
     # through the block table, so tiles may span pages (fewer loop trips than one tile per
     # page).
-    launch_options = {} if num_warps is None else {"num_warps": num_warps}
     _paged_decode_kernel[(batch, num_kv_heads, splits)](
         q, k_cache, v_cache, partial, m, l_sum, block_tables, context_lens,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
@@ -180,7 +204,7 @@ def paged_decode_attention(
         PAGE_SIZE=page_size, BLOCK_N=block_n, NUM_SPLITS=splits,
         # fp32 (the CPU-interpreter tests) wants exact products; 16-bit inputs ignore this.
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        **launch_options,
+        num_warps=num_warps,
     )
     if splits > 1:
         _combine_splits_kernel[(batch, num_heads)](

@@ -45,11 +45,17 @@ def _tokens(engine: LLMEngine, prompts: dict[str, list[int]], sampling: Sampling
     }
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 4, 16])
-def test_triton_decode_kernel_matches_the_gather_reference_in_bf16(num_splits: int | None) -> None:
-    """Every split count (None: the default for this batch) over contexts of 1..1000 keys;
-    16 splits of a 1- or 17-key context leave most parts empty. q is read from strided rows
-    (the q part of fused qkv rows), as the fused decoder passes it."""
+@pytest.mark.parametrize(
+    ("num_splits", "block_n", "num_warps"),
+    [(None, None, None), (1, 64, 4), (4, 64, 4), (16, 64, 4), (1, 128, 4), (1, 64, 2), (2, 32, 8)],
+)
+def test_triton_decode_kernel_matches_the_gather_reference_in_bf16(
+    num_splits: int | None, block_n: int | None, num_warps: int | None
+) -> None:
+    """Split counts, tile widths and warp counts (None: launch_config's for this batch),
+    including every launch the engine picks, over contexts of 1..1000 keys; 16 splits of a
+    1- or 17-key context leave most parts empty. q is read from strided rows (the q part of
+    fused qkv rows), as the fused decoder passes it."""
     from engine_shim.engine.triton_attention import paged_decode_attention
 
     torch.manual_seed(0)
@@ -67,7 +73,9 @@ def test_triton_decode_kernel_matches_the_gather_reference_in_bf16(num_splits: i
         count = math.ceil(n / page)
         tables[b, :count] = order[used : used + count]
         used += count
-    out = paged_decode_attention(q, k, v, tables, lens, page, dim**-0.5, num_splits=num_splits)
+    out = paged_decode_attention(
+        q, k, v, tables, lens, page, dim**-0.5, num_splits=num_splits, block_n=block_n, num_warps=num_warps
+    )
     for b, n in enumerate(lens.tolist()):
         pos = torch.arange(n, device="cuda")
         slots = tables[b, pos // page].long() * page + pos % page
