@@ -96,7 +96,10 @@ class GenerateMultiplexer:
     def _begin(self, start: engine_pb2.StartGenerateRequest) -> None:
         request_id = start.request_id
         if request_id in self._tasks:
-            self._fail(request_id, grpc.StatusCode.ALREADY_EXISTS, f"request {request_id!r} is already active on this stream")
+            # Their outputs could not be told apart: the running request ends too.
+            self._cancel(request_id)
+            self._fail(request_id, grpc.StatusCode.ALREADY_EXISTS,
+                       f"request {request_id!r} was already active on this stream; both are aborted")
             return
         task = asyncio.get_running_loop().create_task(self._run(start))
         self._tasks[request_id] = task

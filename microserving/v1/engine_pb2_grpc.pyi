@@ -70,7 +70,9 @@ class EngineStub:
     never held back and only what queued meanwhile is merged. Each request ends with one
     output that has `usage` (finished) or `error` (failed with the status code StartGenerate
     would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
-    one request on the engine (its KV is freed; no further output for it). When the caller
+    one request on the engine (its KV is freed; no further output for it). A `start` whose
+    request_id is already active on the stream aborts that request and ends the id with
+    ALREADY_EXISTS (their outputs could not be told apart). When the caller
     half-closes, the stream ends once every started request has ended; when the stream
     breaks or is cancelled, every request on it is aborted.
     """
@@ -107,7 +109,9 @@ class EngineAsyncStub(EngineStub):
     never held back and only what queued meanwhile is merged. Each request ends with one
     output that has `usage` (finished) or `error` (failed with the status code StartGenerate
     would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
-    one request on the engine (its KV is freed; no further output for it). When the caller
+    one request on the engine (its KV is freed; no further output for it). A `start` whose
+    request_id is already active on the stream aborts that request and ends the id with
+    ALREADY_EXISTS (their outputs could not be told apart). When the caller
     half-closes, the stream ends once every started request has ended; when the stream
     breaks or is cancelled, every request on it is aborted.
     """
@@ -165,7 +169,9 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         never held back and only what queued meanwhile is merged. Each request ends with one
         output that has `usage` (finished) or `error` (failed with the status code StartGenerate
         would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
-        one request on the engine (its KV is freed; no further output for it). When the caller
+        one request on the engine (its KV is freed; no further output for it). A `start` whose
+        request_id is already active on the stream aborts that request and ends the id with
+        ALREADY_EXISTS (their outputs could not be told apart). When the caller
         half-closes, the stream ends once every started request has ended; when the stream
         breaks or is cancelled, every request on it is aborted.
         """
