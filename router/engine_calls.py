@@ -86,7 +86,8 @@ def decode(router: Router, endpoint: Endpoint, job: EngineJob, begin: int) -> De
     """The decode step of a pattern, not yet started: on the engine's multiplexed stream when
     the request's context asks for it (the runner's fast path), else a StartGenerate call."""
     ctx = router.context(job.request_id)
-    if not ctx.use_engine_stream:
+    stream = router.engine_stream(endpoint)
+    if not ctx.use_engine_stream or not stream.is_supported:
         return start_generate(router, endpoint, job, begin)
     ctx.touch(endpoint.address)
     if endpoint.address in ctx.reservations:  # the start claims the reservation
@@ -95,7 +96,7 @@ def decode(router: Router, endpoint: Endpoint, job: EngineJob, begin: int) -> De
     message = engine_pb2.StartGenerateRequest(
         request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling
     )
-    return StreamedDecode(router, endpoint, router.engine_stream(endpoint), message)
+    return StreamedDecode(router, endpoint, stream, message)
 
 
 async def start_generate(

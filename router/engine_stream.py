@@ -42,6 +42,9 @@ class EngineStream:
         self._decodes: dict[str, StreamedDecode[object]] = {}  # requests on the current call
         self._write_lock = asyncio.Lock()  # grpc.aio allows one write in flight per call
         self._tasks: set[asyncio.Task[None]] = set()  # the reader and detached cancel writes
+        # False once the engine answered UNIMPLEMENTED (a shim from before Engine.Generate):
+        # its requests then go through StartGenerate.
+        self.is_supported = True
 
     def _open(self) -> grpc.aio.StreamStreamCall:
         call = self.endpoint.stub.Generate()
@@ -99,6 +102,10 @@ class EngineStream:
                         del decodes[output.request_id]
         except grpc.aio.AioRpcError as exc:
             code, detail = exc.code(), exc.details() or ""
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                self.is_supported = False
+                logger.warning("engine %s does not serve Engine.Generate; using StartGenerate",
+                               self.endpoint.address)
         finally:
             self._drop(call)
             for decode in list(decodes.values()):

@@ -98,6 +98,7 @@ class RequestRunner:
         settings = self._router.settings
         excluded: set[str] = set()
         num_failures = num_preempts = 0
+        has_fallen_back = False
         while True:
             ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
                                  hints=self._prepared.hints, excluded=set(excluded))
@@ -105,6 +106,11 @@ class RequestRunner:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
                 await _abort(self._router, ctx, faulty=exc.address if exc.is_engine_fault else None)
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED and ctx.use_engine_stream and not has_fallen_back:
+                    # An engine without Engine.Generate (nothing was streamed): run the attempt
+                    # again; the engine's stream is marked unsupported, so it uses StartGenerate.
+                    has_fallen_back = False
+                    continue
                 num_failures += 1
                 if not exc.is_retryable or num_failures >= settings.max_attempts or not self._can_resume():
                     raise
