@@ -2,8 +2,9 @@
 
 Two relays, one set of rules: with the built-in patterns the engine's ChoiceDelta protos go
 to the client as they are (`_take`, fed by the engine's multiplexed stream in
-`_relay_streamed`, or by a StartGenerate call in `_relay_messages`); a custom translate_request's CompletionResponse
-chunks are converted choice by choice (`_relay_completions`).
+`_relay_streamed`, or by a StartGenerate call in `_relay_messages`); a custom
+translate_request's CompletionResponse chunks are converted choice by choice
+(`_relay_completions`).
 
 Owns the request-level guarantees: retry on another engine before the first token was
 streamed; after it, a bounded resume (on another engine after an engine failure, through the
@@ -109,7 +110,7 @@ class RequestRunner:
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED and ctx.use_engine_stream and not has_fallen_back:
                     # An engine without Engine.Generate (nothing was streamed): run the attempt
                     # again; the engine's stream is marked unsupported, so it uses StartGenerate.
-                    has_fallen_back = False
+                    has_fallen_back = True
                     continue
                 num_failures += 1
                 if not exc.is_retryable or num_failures >= settings.max_attempts or not self._can_resume():

@@ -161,7 +161,7 @@ async def test_mlc_backend_serves_the_multiplexed_generate_stream(mlc_pair, pref
             await call.write(engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
                 request_id=rid, token_ids=tokens, sampling=greedy())))
         await call.write(engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
-            request_id="mux-cancelled", token_ids=PROMPT, sampling=greedy(max_tokens=2000))))
+            request_id="mux-cancelled", token_ids=PROMPT, sampling=greedy(max_tokens=1500))))
         await call.write(engine_pb2.EngineGenerateRequest(
             cancel=engine_pb2.GenerateCancel(request_id="mux-cancelled")))
         got: dict[str, list[int]] = {}
