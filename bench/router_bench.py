@@ -3,6 +3,11 @@ token relay rate at several concurrencies, and the router process's own CPU time
 and per relayed token, each measured against the same engines called directly in the same
 run, with a raw grpc.aio echo round trip as the floor.
 
+Builds measured side by side on the same engines: `router` (this tree: decode over one
+multiplexed Engine.Generate stream per engine), `router-startgenerate` (this tree with
+`--no-engine-stream`: one StartGenerate call per request, the design before the stream) and,
+on round-robin, the bare grpc.aio relay floor (bench/relay_floor.py).
+
     python -m bench.router_bench [--rounds 3] [--samples 40] [--concurrency 1 64 256]
     python -m bench.router_bench --baseline-tree /tmp/router-before   # before vs after, same run
 
@@ -287,11 +292,12 @@ async def relay_round(engine: engine_pb2_grpc.EngineStub, engine_pid: int, route
 
 
 FLOOR = "grpc-relay-floor"
+PER_CALL = "router-startgenerate"
 
 
-async def _start_routers(builds: dict[str, Path], engines: list[str], flags: list[str],
+async def _start_routers(builds: dict[str, tuple[Path, list[str]]], engines: list[str], flags: list[str],
                          with_floor: bool) -> list[RouterUnderTest]:
-    launched = [(build, *_router(engines, flags, tree)) for build, tree in builds.items()]
+    launched = [(build, *_router(engines, [*flags, *extra], tree)) for build, (tree, extra) in builds.items()]
     if with_floor:
         floor_args = ["-m", "bench.relay_floor", *(f"--engine={e}" for e in engines)]
         launched.append((FLOOR, *_spawn(floor_args)))
@@ -312,9 +318,13 @@ async def _stop_routers(routers: Sequence[RouterUnderTest]) -> None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(0)
-    builds = {"router": REPO}
+    # This tree's router on the engines' multiplexed Generate stream, and forced onto one
+    # StartGenerate call per request: old and new relay in the same run.
+    builds: dict[str, tuple[Path, list[str]]] = {"router": (REPO, [])}
+    if not args.no_per_call:
+        builds[PER_CALL] = (REPO, ["--no-engine-stream"])
     if args.baseline_tree:
-        builds["baseline"] = Path(args.baseline_tree).resolve()
+        builds["baseline"] = (Path(args.baseline_tree).resolve(), [])
     procs: list[subprocess.Popen[str]] = []
     try:
         echo_proc, echo_address = _spawn(["-m", "bench.router_bench", "--echo-server"])
@@ -374,6 +384,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
     parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=list(PATTERNS))
     parser.add_argument("--baseline-tree", help="also measure a router started from this source tree")
+    parser.add_argument("--no-per-call", action="store_true",
+                        help="skip the router forced onto one StartGenerate call per request (--no-engine-stream)")
     parser.add_argument("--out", help="write every round's figures as JSON here")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -3,7 +3,7 @@ purpose; errors are mapped once by `map_errors`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 
 from grpc import aio
 
@@ -15,8 +15,9 @@ from engine_shim.convert import (
     send_result_to_pb,
     status_to_pb,
 )
-from engine_shim.engine.api import SamplingParams, UnavailableError
+from engine_shim.engine.api import GenerateOutput, SamplingParams, UnavailableError
 from engine_shim.errors import map_errors
+from engine_shim.multiplex import GenerateMultiplexer
 from engine_shim.requests import RequestTracker
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -97,6 +98,29 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def StartGenerate(
         self, request: engine_pb2.StartGenerateRequest, context: aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.StartGenerateResponse]:
+        outputs = self._generate(request)
+        try:
+            async for output in outputs:
+                yield generate_output_to_pb(output)
+        finally:
+            # Runs on finish, on error and when the caller cancels or its deadline passes
+            # (grpc cancels this task): closing the stream aborts the request.
+            await outputs.aclose()
+
+    @map_errors
+    async def Generate(
+        self,
+        request_iterator: AsyncIterator[engine_pb2.EngineGenerateRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
+        async for batch in GenerateMultiplexer(self._generate).serve(request_iterator):
+            yield batch
+
+    async def _generate(
+        self, request: engine_pb2.StartGenerateRequest
+    ) -> AsyncGenerator[GenerateOutput, None]:
+        """One request's outputs, checked as StartGenerate checks them (the checks raise on
+        the first iteration); closing the generator early aborts the request."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin = validation.start_generate_begin(request.begin, len(tokens))
         self._tracker.begin_generate(request.request_id, begin)
@@ -104,10 +128,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             outputs = self._backend.generate(request.request_id, tokens, begin, sampling)
             try:
                 async for output in outputs:
-                    yield generate_output_to_pb(output)
+                    yield output
             finally:
-                # Runs on finish, on error and when the caller cancels or its deadline
-                # passes (grpc cancels this task): closing the stream aborts the request.
                 await outputs.aclose()  # type: ignore[attr-defined]
         finally:
             self._tracker.end_generate(request.request_id)

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-attempts", type=int)
     add("--max-inflight", type=int, help="requests served at once; 0 = unlimited (RESOURCE_EXHAUSTED over it)")
     add("--health-timeout-s", type=float)
+    add("--engine-stream", action=argparse.BooleanOptionalAction, default=None,
+        help="decode over one multiplexed Engine.Generate stream per engine (default), or "
+        "--no-engine-stream: one StartGenerate call per request")
     add("--token", help="shared bearer token for every hop")
     add("--tls-cert")
     add("--tls-key")

@@ -16,6 +16,9 @@ class RequestContext:
     touched: dict[str, None] = field(default_factory=dict)  # ordered set of addresses
     reservations: set[str] = field(default_factory=set)  # engines holding our PrepRecv
     used: list[str] = field(default_factory=list)  # engines in the order the pattern used them
+    # Decode on the engine's multiplexed Generate stream (the runner's fast path) instead of
+    # a StartGenerate call.
+    use_engine_stream: bool = False
 
     def touch(self, address: str) -> None:
         self.touched[address] = None

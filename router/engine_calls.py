@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
@@ -25,9 +25,15 @@ from router.endpoint import (
     STAGE_RESERVED,
     Endpoint,
 )
+from router.engine_stream import StreamedDecode
 
 if TYPE_CHECKING:
     from router.router import Router
+
+# A decode step as a pattern hands it back: a StartGenerate stream's messages, or a request
+# on the engine's multiplexed stream.
+Messages = AsyncGenerator[engine_pb2.StartGenerateResponse, None]
+Decode = Messages | StreamedDecode[Any]
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,23 @@ async def remote_send(
             await endpoint.stub.RemoteSend(message, timeout=router.settings.remote_send_timeout_s)
     except grpc.aio.AioRpcError as exc:
         raise router.call_failed(exc, endpoint.address, "remote_send") from exc
+
+
+def decode(router: Router, endpoint: Endpoint, job: EngineJob, begin: int) -> Decode:
+    """The decode step of a pattern, not yet started: on the engine's multiplexed stream when
+    the request's context asks for it (the runner's fast path), else a StartGenerate call."""
+    ctx = router.context(job.request_id)
+    stream = router.engine_stream(endpoint)
+    if not ctx.use_engine_stream or not stream.is_supported:
+        return start_generate(router, endpoint, job, begin)
+    ctx.touch(endpoint.address)
+    if endpoint.address in ctx.reservations:  # the start claims the reservation
+        ctx.reservations.discard(endpoint.address)
+        endpoint.release(STAGE_RESERVED)
+    message = engine_pb2.StartGenerateRequest(
+        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling
+    )
+    return StreamedDecode(router, endpoint, stream, message)
 
 
 async def start_generate(

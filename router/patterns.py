@@ -1,17 +1,19 @@
 """The built-in orchestration patterns, each an async generator over the wire-level engine
 calls (engine_calls.py; the MLC-named helpers a custom translate_request uses wrap the same
 calls): data parallel, disaggregation (balanced, prefix-aware, any number of P and D),
-adaptive disaggregation, and context migration. Each returns the decode engine's
-StartGenerate stream; a preempt arrives in it as FINISH_REASON_PREEMPT."""
+adaptive disaggregation, and context migration. Each returns the decode step unstarted
+(`engine_calls.decode`: the request on the engine's multiplexed Generate stream on the
+runner's fast path, else the StartGenerate stream); a preempt arrives in it as
+FINISH_REASON_PREEMPT."""
 
 from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-from microserving.v1 import common_pb2, engine_pb2, router_pb2
+from microserving.v1 import common_pb2, router_pb2
 from router import engine_calls
 from router.context import RequestContext
 from router.endpoint import DECODE, PREFILL, Endpoint
@@ -23,9 +25,10 @@ if TYPE_CHECKING:
     from router.router import Router
 
 # A pattern makes the engine calls that come before decoding, then hands back the decode
-# engine's stream (not yet started) for the caller to iterate: no generator layer per token.
-Messages = AsyncGenerator[engine_pb2.StartGenerateResponse, None]
-Pattern = Callable[["Router", EngineJob, RequestContext], Awaitable[Messages]]
+# step (not yet started) for the caller to run: no generator layer per token.
+Messages = engine_calls.Messages
+Decode = engine_calls.Decode
+Pattern = Callable[["Router", EngineJob, RequestContext], Awaitable[Decode]]
 
 _PATTERN_NAMES = {
     router_pb2.PATTERN_ROUND_ROBIN: "round-robin",
@@ -45,20 +48,20 @@ def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
     return adaptive_disagg
 
 
-async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
+async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
     engine = router.select_engine(DECODE, job.token_ids, ctx)
     router.prefix_index.record(engine.address, job.token_ids)
-    return engine_calls.start_generate(router, engine, job, 0)
+    return engine_calls.decode(router, engine, job, 0)
 
 
 async def _disagg_with_factor(
     router: Router, job: EngineJob, factor: float, decode: Endpoint, prefill: Endpoint | None,
-) -> Messages:
+) -> Decode:
     """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D)."""
     prompt = job.token_ids
     if prefill is None or prefill.address == decode.address or len(prompt) < 2:
-        return engine_calls.start_generate(router, decode, job, 0)
+        return engine_calls.decode(router, decode, job, 0)
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
     kv_addr_info, matched = await engine_calls.prep_recv(router, decode, job, end)
@@ -69,7 +72,7 @@ async def _disagg_with_factor(
         )
     router.prefix_index.record(prefill.address, prompt[:decode_start])
     router.prefix_index.record(decode.address, prompt)
-    return engine_calls.start_generate(router, decode, job, decode_start)
+    return engine_calls.decode(router, decode, job, decode_start)
 
 
 def _factor(router: Router, ctx: RequestContext) -> float:
@@ -81,14 +84,14 @@ def _factor(router: Router, ctx: RequestContext) -> float:
     return router.pd_balance_factor
 
 
-async def disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
+async def disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
     """PD disaggregation over any number of P and D engines, balanced by the factor."""
     decode = router.select_engine(DECODE, job.token_ids, ctx)
     prefill = router.try_select_engine(PREFILL, job.token_ids, ctx, avoid=[decode.address])
     return await _disagg_with_factor(router, job, _factor(router, ctx), decode, prefill)
 
 
-async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Messages:
+async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
     """Per request: split from measured P and D load; D alone when little is uncached or
     P is the bottleneck (policy in policies.adaptive_split, described in docs/router.md)."""
     prompt = job.token_ids

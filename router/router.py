@@ -30,6 +30,7 @@ from router.conversions import engine_to_completion, request_to_sampling
 from router.discovery import DnsWatcher, parse_engine_spec
 from router.endpoint import DECODE, PREFILL, ROLE_NAMES, STAGE_RESERVED, Endpoint
 from router.engine_calls import EngineJob
+from router.engine_stream import EngineStream, StreamedDecode
 from router.errors import EngineCallError, InvalidRequestError, NoEngineError
 from router.microserving_protocol import PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
@@ -111,6 +112,7 @@ class Router:
         self._background: list[asyncio.Task[None]] = []
         self._contexts: dict[str, RequestContext] = {}
         self._adhoc: dict[str, Endpoint] = {}
+        self._engine_streams: dict[str, EngineStream] = {}
         self._turn = itertools.count()
 
     # ---- lifecycle ----
@@ -123,6 +125,8 @@ class Router:
     async def stop(self) -> None:
         for task in self._background:
             task.cancel()
+        await asyncio.gather(*(s.close() for s in self._engine_streams.values()))
+        self._engine_streams.clear()
         await self.registry.stop()
         await asyncio.gather(*(e.close() for e in self._adhoc.values()))
 
@@ -221,9 +225,22 @@ class Router:
             self._adhoc[address] = endpoint
         return endpoint
 
+    def engine_stream(self, endpoint: Endpoint) -> EngineStream:
+        """The engine's multiplexed Generate stream (the object lives as long as the router;
+        its call is opened on first use and again after it breaks)."""
+        stream = self._engine_streams.get(endpoint.address)
+        if stream is None or stream.endpoint is not endpoint:
+            stream = self._engine_streams[endpoint.address] = EngineStream(endpoint)
+        return stream
+
     def call_failed(self, exc: grpc.aio.AioRpcError | TimeoutError, address: str, stage: str) -> EngineCallError:
-        code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
-        detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "stage deadline passed"
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return self.call_failed_with(exc.code(), exc.details() or "", address, stage)
+        return self.call_failed_with(grpc.StatusCode.DEADLINE_EXCEEDED, "stage deadline passed", address, stage)
+
+    def call_failed_with(self, code: grpc.StatusCode, detail: str, address: str, stage: str) -> EngineCallError:
+        """An engine call (or one request on an engine stream) failed with `code`: the error
+        the runner handles; an engine at fault leaves rotation."""
         error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage)
         if error.is_engine_fault:
             self.registry.mark_failed(address)
@@ -268,6 +285,7 @@ class Router:
         _, token_ids = _id_and_prompt(request)
         job = EngineJob(request_id, token_ids, request_to_sampling(request))
         stream = await self.generate(job, self.context(request_id))
+        assert not isinstance(stream, StreamedDecode)  # only the runner's fast path streams
         async with contextlib.aclosing(stream):
             async for message in stream:
                 if any(delta.finish_reason == common_pb2.FINISH_REASON_PREEMPT for delta in message.choices):
@@ -282,7 +300,7 @@ class Router:
         cls = type(self)
         return all(getattr(cls, name) is getattr(Router, name) for name in _PROGRAMMABLE)
 
-    async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Messages:
+    async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Decode:
         """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
         return await patterns.pattern_for(self, ctx)(self, job, ctx)
 

@@ -1,8 +1,10 @@
 """Runs one client request through Router.translate_request and relays its output.
 
 Two relays, one set of rules: with the built-in patterns the engine's ChoiceDelta protos go
-to the client as they are (`_relay_messages`); a custom translate_request's CompletionResponse
-chunks are converted choice by choice (`_relay_completions`).
+to the client as they are (`_take`, fed by the engine's multiplexed stream in
+`_relay_streamed`, or by a StartGenerate call in `_relay_messages`); a custom
+translate_request's CompletionResponse chunks are converted choice by choice
+(`_relay_completions`).
 
 Owns the request-level guarantees: retry on another engine before the first token was
 streamed; after it, a bounded resume (on another engine after an engine failure, through the
@@ -17,13 +19,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 
 import grpc
 
-from microserving.v1 import common_pb2, router_pb2
+from microserving.v1 import common_pb2, engine_pb2, router_pb2
 from router import patterns
 from router.context import RequestContext
 from router.conversions import (
@@ -33,6 +36,7 @@ from router.conversions import (
     sampling_to_request_fields,
 )
 from router.engine_calls import EngineJob
+from router.engine_stream import StreamedDecode
 from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
 from router.inputs import PreparedRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
@@ -41,6 +45,10 @@ from router.resumed_text import ResumedText
 from router.router import Router
 
 logger = logging.getLogger(__name__)
+
+
+# An engine message of one request: a StartGenerate message or an Engine.Generate output.
+EngineOutput = engine_pb2.StartGenerateResponse | engine_pb2.GenerateOutput
 
 
 class _Outcome(enum.Enum):
@@ -91,6 +99,7 @@ class RequestRunner:
         settings = self._router.settings
         excluded: set[str] = set()
         num_failures = num_preempts = 0
+        has_fallen_back = False
         while True:
             ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
                                  hints=self._prepared.hints, excluded=set(excluded))
@@ -98,6 +107,11 @@ class RequestRunner:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
                 await _abort(self._router, ctx, faulty=exc.address if exc.is_engine_fault else None)
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED and ctx.use_engine_stream and not has_fallen_back:
+                    # An engine without Engine.Generate (nothing was streamed): run the attempt
+                    # again; the engine's stream is marked unsupported, so it uses StartGenerate.
+                    has_fallen_back = True
+                    continue
                 num_failures += 1
                 if not exc.is_retryable or num_failures >= settings.max_attempts or not self._can_resume():
                     raise
@@ -169,35 +183,53 @@ class RequestRunner:
             sent = "".join(self._sent_text[0])
             resumed = ResumedText(self._router.tokenizer, sent, self._prepared.sampling.stop)
         if self._router.uses_builtin_patterns:
-            messages = await self._router.generate(self._job(ctx.engine_request_id), ctx)
-            return await self._relay_messages(messages, resumed)
+            ctx.use_engine_stream = self._router.settings.engine_stream
+            decode = await self._router.generate(self._job(ctx.engine_request_id), ctx)
+            if isinstance(decode, StreamedDecode):
+                return await self._relay_streamed(decode, resumed)
+            return await self._relay_messages(decode, resumed)
         request = self._request(ctx.engine_request_id)
         return await self._relay_completions(self._router.translate_request(request, ctx.engine_request_id), resumed)
 
     async def _relay_messages(self, messages: patterns.Messages, resumed: ResumedText | None) -> _Outcome:
-        """The built-in patterns' engine messages: each ChoiceDelta goes to the outbox as it is
-        unless a resume has the router decode the text."""
-        rid = self._prepared.request_id
+        """The built-in patterns' StartGenerate messages (engine_stream off)."""
         async with contextlib.aclosing(messages):
             async for message in messages:
-                for delta in message.choices:
-                    reason = delta.finish_reason
-                    if reason == common_pb2.FINISH_REASON_PREEMPT:
-                        return _Outcome.PREEMPTED
-                    self._streamed[delta.index].extend(delta.token_ids)
-                    if resumed is None:
-                        self._sent_text[delta.index].append(delta.text)
-                        self._outbox.put_choice_delta(rid, delta)
-                        if reason:
-                            self._finished[delta.index] = reason
-                    else:
-                        self._relay_choice(delta.index, delta.token_ids, delta.text, delta.logprobs, reason, resumed)
-                if resumed is not None and self._is_complete():
-                    return _Outcome.DONE  # a stop string across the resume point ended it
-                if message.HasField("usage"):
-                    self._engine_completion = message.usage.completion_tokens
-                    self._cached_tokens = message.usage.cached_tokens
+                outcome = self._take(message, resumed)
+                if outcome is not None:
+                    return outcome
         return _Outcome.DONE
+
+    async def _relay_streamed(self, decode: StreamedDecode[_Outcome], resumed: ResumedText | None) -> _Outcome:
+        """The built-in patterns' decode on the engine's multiplexed stream: the stream's
+        reader hands each output of this request to `_take` directly (no task switch per
+        message); this task wakes once, when the request ends."""
+        outcome = await decode.run(functools.partial(self._take, resumed=resumed))
+        return _Outcome.DONE if outcome is None else outcome
+
+    def _take(self, message: EngineOutput, resumed: ResumedText | None) -> _Outcome | None:
+        """One engine message of this request: each ChoiceDelta goes to the outbox as it is
+        unless a resume has the router decode the text. -> an outcome when the attempt ends
+        here (preempt, or a stop string across the resume point), else None."""
+        rid = self._prepared.request_id
+        for delta in message.choices:
+            reason = delta.finish_reason
+            if reason == common_pb2.FINISH_REASON_PREEMPT:
+                return _Outcome.PREEMPTED
+            self._streamed[delta.index].extend(delta.token_ids)
+            if resumed is None:
+                self._sent_text[delta.index].append(delta.text)
+                self._outbox.put_choice_delta(rid, delta)
+                if reason:
+                    self._finished[delta.index] = reason
+            else:
+                self._relay_choice(delta.index, delta.token_ids, delta.text, delta.logprobs, reason, resumed)
+        if resumed is not None and self._is_complete():
+            return _Outcome.DONE  # a stop string across the resume point ended it
+        if message.HasField("usage"):
+            self._engine_completion = message.usage.completion_tokens
+            self._cached_tokens = message.usage.cached_tokens
+        return None
 
     async def _relay_completions(
         self, generator: AsyncGenerator[CompletionResponse | None, None], resumed: ResumedText | None

@@ -63,6 +63,11 @@ class RouterSettings(BaseSettings):
     abort_timeout_s: float = Field(default=2.0, gt=0, description="Deadline of an Abort call.")
     max_attempts: int = Field(default=3, ge=1, description="Engine attempts per request: retries before the first token, resumes after it.")
     max_inflight: int = Field(default=0, ge=0, description="Requests served at once; 0 = unlimited. Over it: RESOURCE_EXHAUSTED.")
+    engine_stream: bool = Field(
+        default=True,
+        description="Built-in patterns decode over one multiplexed Engine.Generate stream per engine; "
+        "false: one StartGenerate call per request.",
+    )
     max_preempt_retries: int = Field(default=4, ge=0, description="Resumes of a preempted request.")
 
     adaptive_min_remote_tokens: int = Field(default=32, ge=0, description="Adaptive: below this many uncached tokens, skip P.")

@@ -73,9 +73,11 @@ def _fill(message: Message, depth: int = 0) -> Message:
 def test_contract_defines_every_service_and_rpc() -> None:
     engine = engine_pb2.DESCRIPTOR.services_by_name["Engine"]
     assert [m.name for m in engine.methods] == [
-        "PrepRecv", "RemoteSend", "StartGenerate", "Abort", "GetStatus",
+        "PrepRecv", "RemoteSend", "StartGenerate", "Generate", "Abort", "GetStatus",
     ]
     assert engine.methods_by_name["StartGenerate"].server_streaming
+    multiplexed = engine.methods_by_name["Generate"]
+    assert multiplexed.client_streaming and multiplexed.server_streaming
     push = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].methods_by_name["PushKV"]
     assert push.client_streaming and not push.server_streaming
     generate = router_pb2.DESCRIPTOR.services_by_name["Router"].methods_by_name["Generate"]

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from microserving.v1 import common_pb2 as microserving_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmicroserving/v1/engine.proto\x12\x0fmicroserving.v1\x1a\x1cmicroserving/v1/common.proto\"x\n\x0fPrepRecvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.microserving.v1.SamplingParams\"T\n\x10PrepRecvResponse\x12\x14\n\x0ckv_addr_info\x18\x01 \x01(\x0c\x12\x1d\n\x15prefix_matched_length\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xb2\x01\n\x11RemoteSendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05\x62\x65gin\x18\x03 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x05\x12\x14\n\x0ckv_addr_info\x18\x05 \x01(\x0c\x12\x11\n\trecv_rank\x18\x06 \x01(\x05\x12\x31\n\x08sampling\x18\x07 \x01(\x0b\x32\x1f.microserving.v1.SamplingParams\"`\n\x12RemoteSendResponse\x12\x17\n\x0fnum_tokens_sent\x18\x01 \x01(\x05\x12\x16\n\x0enum_bytes_sent\x18\x02 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"\x7f\n\x14StartGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05\x62\x65gin\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.microserving.v1.SamplingParams\"m\n\x15StartGenerateResponse\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.microserving.v1.ChoiceDelta\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x16.microserving.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\rAbortResponse\x12\x12\n\nwas_active\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x90\x01\n\x10PrefixCacheStats\x12\x13\n\x0bnum_queries\x18\x01 \x01(\x03\x12\x18\n\x10num_query_tokens\x18\x02 \x01(\x03\x12\x16\n\x0enum_hit_tokens\x18\x03 \x01(\x03\x12\x18\n\x10num_cached_pages\x18\x04 \x01(\x05\x12\x1b\n\x13num_evictable_pages\x18\x05 \x01(\x05\"\x83\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\"\x9c\x03\n\x11GetStatusResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12,\n\tkv_layout\x18\x02 \x01(\x0b\x32\x19.microserving.v1.KVLayout\x12*\n\x05roles\x18\x03 \x03(\x0e\x32\x1b.microserving.v1.EngineRole\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\x05\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\x05\x12\x19\n\x11num_free_kv_pages\x18\x07 \x01(\x05\x12\x1a\n\x12num_total_kv_pages\x18\x08 \x01(\x05\x12\x1a\n\x12max_context_length\x18\t \x01(\x05\x12\x37\n\x0cprefix_cache\x18\n \x01(\x0b\x32!.microserving.v1.PrefixCacheStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x13\n\x0bis_draining\x18\r \x01(\x08\"h\n\x0cKVPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11reservation_token\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.microserving.v1.KVLayout\">\n\x0bKVChunkData\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"z\n\rPushKVRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.microserving.v1.KVPushHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.microserving.v1.KVChunkDataH\x00\x42\t\n\x07payload\"G\n\x0ePushKVResponse\x12\x1a\n\x12num_tokens_written\x18\x01 \x01(\x05\x12\x19\n\x11num_bytes_written\x18\x02 \x01(\x03\x32\xae\x03\n\x06\x45ngine\x12O\n\x08PrepRecv\x12 .microserving.v1.PrepRecvRequest\x1a!.microserving.v1.PrepRecvResponse\x12U\n\nRemoteSend\x12\".microserving.v1.RemoteSendRequest\x1a#.microserving.v1.RemoteSendResponse\x12`\n\rStartGenerate\x12%.microserving.v1.StartGenerateRequest\x1a&.microserving.v1.StartGenerateResponse0\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.microserving.v1.AbortRequest\x1a\x1e.microserving.v1.AbortResponse\x12R\n\tGetStatus\x12!.microserving.v1.GetStatusRequest\x1a\".microserving.v1.GetStatusResponse2Y\n\nKVTransfer\x12K\n\x06PushKV\x12\x1e.microserving.v1.PushKVRequest\x1a\x1f.microserving.v1.PushKVResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmicroserving/v1/engine.proto\x12\x0fmicroserving.v1\x1a\x1cmicroserving/v1/common.proto\"x\n\x0fPrepRecvRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.microserving.v1.SamplingParams\"T\n\x10PrepRecvResponse\x12\x14\n\x0ckv_addr_info\x18\x01 \x01(\x0c\x12\x1d\n\x15prefix_matched_length\x18\x02 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x03 \x01(\x05\"\xb2\x01\n\x11RemoteSendRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05\x62\x65gin\x18\x03 \x01(\x05\x12\x0b\n\x03\x65nd\x18\x04 \x01(\x05\x12\x14\n\x0ckv_addr_info\x18\x05 \x01(\x0c\x12\x11\n\trecv_rank\x18\x06 \x01(\x05\x12\x31\n\x08sampling\x18\x07 \x01(\x0b\x32\x1f.microserving.v1.SamplingParams\"`\n\x12RemoteSendResponse\x12\x17\n\x0fnum_tokens_sent\x18\x01 \x01(\x05\x12\x16\n\x0enum_bytes_sent\x18\x02 \x01(\x03\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\x05\"\x7f\n\x14StartGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\r\n\x05\x62\x65gin\x18\x03 \x01(\x05\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.microserving.v1.SamplingParams\"m\n\x15StartGenerateResponse\x12-\n\x07\x63hoices\x18\x01 \x03(\x0b\x32\x1c.microserving.v1.ChoiceDelta\x12%\n\x05usage\x18\x02 \x01(\x0b\x32\x16.microserving.v1.Usage\"$\n\x0eGenerateCancel\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8c\x01\n\x15\x45ngineGenerateRequest\x12\x36\n\x05start\x18\x01 \x01(\x0b\x32%.microserving.v1.StartGenerateRequestH\x00\x12\x31\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1f.microserving.v1.GenerateCancelH\x00\x42\x08\n\x06\x61\x63tion\".\n\rGenerateError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xa9\x01\n\x0eGenerateOutput\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x07\x63hoices\x18\x02 \x03(\x0b\x32\x1c.microserving.v1.ChoiceDelta\x12%\n\x05usage\x18\x03 \x01(\x0b\x32\x16.microserving.v1.Usage\x12-\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x1e.microserving.v1.GenerateError\"J\n\x16\x45ngineGenerateResponse\x12\x30\n\x07outputs\x18\x01 \x03(\x0b\x32\x1f.microserving.v1.GenerateOutput\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"#\n\rAbortResponse\x12\x12\n\nwas_active\x18\x01 \x01(\x08\"\x12\n\x10GetStatusRequest\"\x90\x01\n\x10PrefixCacheStats\x12\x13\n\x0bnum_queries\x18\x01 \x01(\x03\x12\x18\n\x10num_query_tokens\x18\x02 \x01(\x03\x12\x16\n\x0enum_hit_tokens\x18\x03 \x01(\x03\x12\x18\n\x10num_cached_pages\x18\x04 \x01(\x05\x12\x1b\n\x13num_evictable_pages\x18\x05 \x01(\x05\"\x83\x01\n\x08KVLayout\x12\x19\n\x11model_fingerprint\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\x05\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\x05\x12\x10\n\x08head_dim\x18\x05 \x01(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\"\x9c\x03\n\x11GetStatusResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12,\n\tkv_layout\x18\x02 \x01(\x0b\x32\x19.microserving.v1.KVLayout\x12*\n\x05roles\x18\x03 \x03(\x0e\x32\x1b.microserving.v1.EngineRole\x12\x1c\n\x14num_running_requests\x18\x04 \x01(\x05\x12\x1c\n\x14num_waiting_requests\x18\x05 \x01(\x05\x12\x1d\n\x15num_reserved_requests\x18\x06 \x01(\x05\x12\x19\n\x11num_free_kv_pages\x18\x07 \x01(\x05\x12\x1a\n\x12num_total_kv_pages\x18\x08 \x01(\x05\x12\x1a\n\x12max_context_length\x18\t \x01(\x05\x12\x37\n\x0cprefix_cache\x18\n \x01(\x0b\x32!.microserving.v1.PrefixCacheStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x0b \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x0c \x01(\t\x12\x13\n\x0bis_draining\x18\r \x01(\x08\"h\n\x0cKVPushHeader\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11reservation_token\x18\x02 \x01(\t\x12)\n\x06layout\x18\x03 \x01(\x0b\x32\x19.microserving.v1.KVLayout\">\n\x0bKVChunkData\x12\r\n\x05\x62\x65gin\x18\x01 \x01(\x05\x12\x12\n\nnum_tokens\x18\x02 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"z\n\rPushKVRequest\x12/\n\x06header\x18\x01 \x01(\x0b\x32\x1d.microserving.v1.KVPushHeaderH\x00\x12-\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x1c.microserving.v1.KVChunkDataH\x00\x42\t\n\x07payload\"G\n\x0ePushKVResponse\x12\x1a\n\x12num_tokens_written\x18\x01 \x01(\x05\x12\x19\n\x11num_bytes_written\x18\x02 \x01(\x03\x32\x8f\x04\n\x06\x45ngine\x12O\n\x08PrepRecv\x12 .microserving.v1.PrepRecvRequest\x1a!.microserving.v1.PrepRecvResponse\x12U\n\nRemoteSend\x12\".microserving.v1.RemoteSendRequest\x1a#.microserving.v1.RemoteSendResponse\x12`\n\rStartGenerate\x12%.microserving.v1.StartGenerateRequest\x1a&.microserving.v1.StartGenerateResponse0\x01\x12_\n\x08Generate\x12&.microserving.v1.EngineGenerateRequest\x1a\'.microserving.v1.EngineGenerateResponse(\x01\x30\x01\x12\x46\n\x05\x41\x62ort\x12\x1d.microserving.v1.AbortRequest\x1a\x1e.microserving.v1.AbortResponse\x12R\n\tGetStatus\x12!.microserving.v1.GetStatusRequest\x1a\".microserving.v1.GetStatusResponse2Y\n\nKVTransfer\x12K\n\x06PushKV\x12\x1e.microserving.v1.PushKVRequest\x1a\x1f.microserving.v1.PushKVResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,28 +44,38 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTGENERATEREQUEST']._serialized_end=693
   _globals['_STARTGENERATERESPONSE']._serialized_start=695
   _globals['_STARTGENERATERESPONSE']._serialized_end=804
-  _globals['_ABORTREQUEST']._serialized_start=806
-  _globals['_ABORTREQUEST']._serialized_end=840
-  _globals['_ABORTRESPONSE']._serialized_start=842
-  _globals['_ABORTRESPONSE']._serialized_end=877
-  _globals['_GETSTATUSREQUEST']._serialized_start=879
-  _globals['_GETSTATUSREQUEST']._serialized_end=897
-  _globals['_PREFIXCACHESTATS']._serialized_start=900
-  _globals['_PREFIXCACHESTATS']._serialized_end=1044
-  _globals['_KVLAYOUT']._serialized_start=1047
-  _globals['_KVLAYOUT']._serialized_end=1178
-  _globals['_GETSTATUSRESPONSE']._serialized_start=1181
-  _globals['_GETSTATUSRESPONSE']._serialized_end=1593
-  _globals['_KVPUSHHEADER']._serialized_start=1595
-  _globals['_KVPUSHHEADER']._serialized_end=1699
-  _globals['_KVCHUNKDATA']._serialized_start=1701
-  _globals['_KVCHUNKDATA']._serialized_end=1763
-  _globals['_PUSHKVREQUEST']._serialized_start=1765
-  _globals['_PUSHKVREQUEST']._serialized_end=1887
-  _globals['_PUSHKVRESPONSE']._serialized_start=1889
-  _globals['_PUSHKVRESPONSE']._serialized_end=1960
-  _globals['_ENGINE']._serialized_start=1963
-  _globals['_ENGINE']._serialized_end=2393
-  _globals['_KVTRANSFER']._serialized_start=2395
-  _globals['_KVTRANSFER']._serialized_end=2484
+  _globals['_GENERATECANCEL']._serialized_start=806
+  _globals['_GENERATECANCEL']._serialized_end=842
+  _globals['_ENGINEGENERATEREQUEST']._serialized_start=845
+  _globals['_ENGINEGENERATEREQUEST']._serialized_end=985
+  _globals['_GENERATEERROR']._serialized_start=987
+  _globals['_GENERATEERROR']._serialized_end=1033
+  _globals['_GENERATEOUTPUT']._serialized_start=1036
+  _globals['_GENERATEOUTPUT']._serialized_end=1205
+  _globals['_ENGINEGENERATERESPONSE']._serialized_start=1207
+  _globals['_ENGINEGENERATERESPONSE']._serialized_end=1281
+  _globals['_ABORTREQUEST']._serialized_start=1283
+  _globals['_ABORTREQUEST']._serialized_end=1317
+  _globals['_ABORTRESPONSE']._serialized_start=1319
+  _globals['_ABORTRESPONSE']._serialized_end=1354
+  _globals['_GETSTATUSREQUEST']._serialized_start=1356
+  _globals['_GETSTATUSREQUEST']._serialized_end=1374
+  _globals['_PREFIXCACHESTATS']._serialized_start=1377
+  _globals['_PREFIXCACHESTATS']._serialized_end=1521
+  _globals['_KVLAYOUT']._serialized_start=1524
+  _globals['_KVLAYOUT']._serialized_end=1655
+  _globals['_GETSTATUSRESPONSE']._serialized_start=1658
+  _globals['_GETSTATUSRESPONSE']._serialized_end=2070
+  _globals['_KVPUSHHEADER']._serialized_start=2072
+  _globals['_KVPUSHHEADER']._serialized_end=2176
+  _globals['_KVCHUNKDATA']._serialized_start=2178
+  _globals['_KVCHUNKDATA']._serialized_end=2240
+  _globals['_PUSHKVREQUEST']._serialized_start=2242
+  _globals['_PUSHKVREQUEST']._serialized_end=2364
+  _globals['_PUSHKVRESPONSE']._serialized_start=2366
+  _globals['_PUSHKVRESPONSE']._serialized_end=2437
+  _globals['_ENGINE']._serialized_start=2440
+  _globals['_ENGINE']._serialized_end=2967
+  _globals['_KVTRANSFER']._serialized_start=2969
+  _globals['_KVTRANSFER']._serialized_end=3058
 # @@protoc_insertion_point(module_scope)

@@ -262,6 +262,155 @@ class StartGenerateResponse(_message.Message):
 Global___StartGenerateResponse: _TypeAlias = StartGenerateResponse  # noqa: Y015
 
 @_typing.final
+class GenerateCancel(_message.Message):
+    """Cancels one request of an Engine.Generate stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Id of the request to abort (a request started on the same stream)."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateCancel: _TypeAlias = GenerateCancel  # noqa: Y015
+
+@_typing.final
+class EngineGenerateRequest(_message.Message):
+    """One caller message of Engine.Generate."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    START_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def start(self) -> Global___StartGenerateRequest:
+        """Start a request: the same fields and checks as Engine.StartGenerate."""
+
+    @_builtins.property
+    def cancel(self) -> Global___GenerateCancel:
+        """Abort a request started on this stream."""
+
+    def __init__(
+        self,
+        *,
+        start: Global___StartGenerateRequest | None = ...,
+        cancel: Global___GenerateCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "start", b"start"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "start", b"start"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___EngineGenerateRequest: _TypeAlias = EngineGenerateRequest  # noqa: Y015
+
+@_typing.final
+class GenerateError(_message.Message):
+    """A request of an Engine.Generate stream failed; it produces no further output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """A gRPC status code number (google.rpc.Code), the one StartGenerate would have ended
+    with: 3 INVALID_ARGUMENT, 6 ALREADY_EXISTS, 9 FAILED_PRECONDITION, 8 RESOURCE_EXHAUSTED,
+    14 UNAVAILABLE, 13 INTERNAL, ...
+    """
+    message: _builtins.str
+    """A plain explanation for humans."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateError: _TypeAlias = GenerateError  # noqa: Y015
+
+@_typing.final
+class GenerateOutput(_message.Message):
+    """New output of one request in an Engine.Generate batch."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    USAGE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request this output belongs to."""
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[_common_pb2.ChoiceDelta]:
+        """New output per choice, in order; a choice that did not advance is absent, and a choice
+        may appear more than once when several engine steps' output queued up.
+        """
+
+    @_builtins.property
+    def usage(self) -> _common_pb2.Usage:
+        """Set on the request's last output, once every choice has finished."""
+
+    @_builtins.property
+    def error(self) -> Global___GenerateError:
+        """Set when the request failed (its last output)."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        choices: _abc.Iterable[_common_pb2.ChoiceDelta] | None = ...,
+        usage: _common_pb2.Usage | None = ...,
+        error: Global___GenerateError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "usage", b"usage"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "error", b"error", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateOutput: _TypeAlias = GenerateOutput  # noqa: Y015
+
+@_typing.final
+class EngineGenerateResponse(_message.Message):
+    """One engine message of Engine.Generate: the output of every request that had some ready."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OUTPUTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def outputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateOutput]:
+        """One entry per request, at most one per request in a message."""
+
+    def __init__(
+        self,
+        *,
+        outputs: _abc.Iterable[Global___GenerateOutput] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["outputs", b"outputs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineGenerateResponse: _TypeAlias = EngineGenerateResponse  # noqa: Y015
+
+@_typing.final
 class AbortRequest(_message.Message):
     """Input of Engine.Abort."""
 

@@ -50,6 +50,11 @@ class EngineStub:
                 request_serializer=microserving_dot_v1_dot_engine__pb2.StartGenerateRequest.SerializeToString,
                 response_deserializer=microserving_dot_v1_dot_engine__pb2.StartGenerateResponse.FromString,
                 _registered_method=True)
+        self.Generate = channel.stream_stream(
+                '/microserving.v1.Engine/Generate',
+                request_serializer=microserving_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/microserving.v1.Engine/Abort',
                 request_serializer=microserving_dot_v1_dot_engine__pb2.AbortRequest.SerializeToString,
@@ -92,6 +97,25 @@ class EngineServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Generate(self, request_iterator, context):
+        """Many requests' StartGenerate over one long-lived stream (what the router keeps open per
+        engine, so a request costs a message instead of a call). The caller sends `start`
+        (exactly StartGenerate's input, tagged by its request_id) and `cancel` messages; the
+        engine answers with batches: one message holds the new output of every request that
+        had some ready when the stream's writer got to write, so a request's first token is
+        never held back and only what queued meanwhile is merged. Each request ends with one
+        output that has `usage` (finished) or `error` (failed with the status code StartGenerate
+        would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
+        one request on the engine (its KV is freed; no further output for it). A `start` whose
+        request_id is already active on the stream aborts that request and ends the id with
+        ALREADY_EXISTS (their outputs could not be told apart). When the caller
+        half-closes, the stream ends once every started request has ended; when the stream
+        breaks or is cancelled, every request on it is aborted.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Abort a request: stop generating and free every KV page and reservation it holds.
         """
@@ -123,6 +147,11 @@ def add_EngineServicer_to_server(servicer, server):
                     servicer.StartGenerate,
                     request_deserializer=microserving_dot_v1_dot_engine__pb2.StartGenerateRequest.FromString,
                     response_serializer=microserving_dot_v1_dot_engine__pb2.StartGenerateResponse.SerializeToString,
+            ),
+            'Generate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=microserving_dot_v1_dot_engine__pb2.EngineGenerateRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_engine__pb2.EngineGenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -217,6 +246,33 @@ class Engine:
             '/microserving.v1.Engine/StartGenerate',
             microserving_dot_v1_dot_engine__pb2.StartGenerateRequest.SerializeToString,
             microserving_dot_v1_dot_engine__pb2.StartGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Generate(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/microserving.v1.Engine/Generate',
+            microserving_dot_v1_dot_engine__pb2.EngineGenerateRequest.SerializeToString,
+            microserving_dot_v1_dot_engine__pb2.EngineGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

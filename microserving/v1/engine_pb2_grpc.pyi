@@ -61,6 +61,21 @@ class EngineStub:
     """On the receiving engine: prefill prompt[begin:] over the KV already present, then
     decode and stream the generated tokens. Cancelling the call aborts the request.
     """
+    Generate: _grpc.StreamStreamMultiCallable[_engine_pb2.EngineGenerateRequest, _engine_pb2.EngineGenerateResponse]
+    """Many requests' StartGenerate over one long-lived stream (what the router keeps open per
+    engine, so a request costs a message instead of a call). The caller sends `start`
+    (exactly StartGenerate's input, tagged by its request_id) and `cancel` messages; the
+    engine answers with batches: one message holds the new output of every request that
+    had some ready when the stream's writer got to write, so a request's first token is
+    never held back and only what queued meanwhile is merged. Each request ends with one
+    output that has `usage` (finished) or `error` (failed with the status code StartGenerate
+    would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
+    one request on the engine (its KV is freed; no further output for it). A `start` whose
+    request_id is already active on the stream aborts that request and ends the id with
+    ALREADY_EXISTS (their outputs could not be told apart). When the caller
+    half-closes, the stream ends once every started request has ended; when the stream
+    breaks or is cancelled, every request on it is aborted.
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AbortRequest, _engine_pb2.AbortResponse]
     """Abort a request: stop generating and free every KV page and reservation it holds."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_engine_pb2.GetStatusRequest, _engine_pb2.GetStatusResponse]
@@ -84,6 +99,21 @@ class EngineAsyncStub(EngineStub):
     StartGenerate: _aio.UnaryStreamMultiCallable[_engine_pb2.StartGenerateRequest, _engine_pb2.StartGenerateResponse]  # type: ignore[assignment]
     """On the receiving engine: prefill prompt[begin:] over the KV already present, then
     decode and stream the generated tokens. Cancelling the call aborts the request.
+    """
+    Generate: _aio.StreamStreamMultiCallable[_engine_pb2.EngineGenerateRequest, _engine_pb2.EngineGenerateResponse]  # type: ignore[assignment]
+    """Many requests' StartGenerate over one long-lived stream (what the router keeps open per
+    engine, so a request costs a message instead of a call). The caller sends `start`
+    (exactly StartGenerate's input, tagged by its request_id) and `cancel` messages; the
+    engine answers with batches: one message holds the new output of every request that
+    had some ready when the stream's writer got to write, so a request's first token is
+    never held back and only what queued meanwhile is merged. Each request ends with one
+    output that has `usage` (finished) or `error` (failed with the status code StartGenerate
+    would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
+    one request on the engine (its KV is freed; no further output for it). A `start` whose
+    request_id is already active on the stream aborts that request and ends the id with
+    ALREADY_EXISTS (their outputs could not be told apart). When the caller
+    half-closes, the stream ends once every started request has ended; when the stream
+    breaks or is cancelled, every request on it is aborted.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_engine_pb2.AbortRequest, _engine_pb2.AbortResponse]  # type: ignore[assignment]
     """Abort a request: stop generating and free every KV page and reservation it holds."""
@@ -123,6 +153,27 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_engine_pb2.StartGenerateResponse], _abc.AsyncIterator[_engine_pb2.StartGenerateResponse]]:
         """On the receiving engine: prefill prompt[begin:] over the KV already present, then
         decode and stream the generated tokens. Cancelling the call aborts the request.
+        """
+
+    @_abc_1.abstractmethod
+    def Generate(
+        self,
+        request_iterator: _MaybeAsyncIterator[_engine_pb2.EngineGenerateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.EngineGenerateResponse], _abc.AsyncIterator[_engine_pb2.EngineGenerateResponse]]:
+        """Many requests' StartGenerate over one long-lived stream (what the router keeps open per
+        engine, so a request costs a message instead of a call). The caller sends `start`
+        (exactly StartGenerate's input, tagged by its request_id) and `cancel` messages; the
+        engine answers with batches: one message holds the new output of every request that
+        had some ready when the stream's writer got to write, so a request's first token is
+        never held back and only what queued meanwhile is merged. Each request ends with one
+        output that has `usage` (finished) or `error` (failed with the status code StartGenerate
+        would have given, e.g. INVALID_ARGUMENT; the other requests carry on). `cancel` aborts
+        one request on the engine (its KV is freed; no further output for it). A `start` whose
+        request_id is already active on the stream aborts that request and ends the id with
+        ALREADY_EXISTS (their outputs could not be told apart). When the caller
+        half-closes, the stream ends once every started request has ended; when the stream
+        breaks or is cancelled, every request on it is aborted.
         """
 
     @_abc_1.abstractmethod

@@ -1,5 +1,5 @@
-"""The built-in patterns' fast path (engine ChoiceDelta protos relayed as they are) streams
-exactly what the programmable path (translate_request -> CompletionResponse) streams; the
+"""The built-in patterns' fast path (engine ChoiceDelta protos relayed as they are, from the
+engine's multiplexed stream or from StartGenerate) streams exactly what the programmable path (translate_request -> CompletionResponse) streams; the
 outbox relays engine deltas unchanged and merges only what queued; the engines get the same
 sampling values either way; the read watchdog times reads, not the consumer."""
 
@@ -103,14 +103,17 @@ def _requests(tag: str) -> list[router_pb2.NewRequest]:
 
 @pytest.mark.integration
 @pytest.mark.parametrize("pattern", ["round-robin", "disagg"])
-async def test_fast_path_streams_what_translate_request_streams(shims, pattern: str) -> None:
+@pytest.mark.parametrize("engine_stream", [True, False], ids=["engine-stream", "start-generate"])
+async def test_fast_path_streams_what_translate_request_streams(shims, pattern: str, engine_stream: bool) -> None:
+    """Both fast paths (decode on the engine's multiplexed stream, or a StartGenerate call
+    per request) stream what the programmable path streams."""
     roles = ["both", "both"] if pattern == "round-robin" else ["prefill", "decode"]
     requests = _requests(f"{pattern}-{next(_ids)}")
     seen = []
     # Each router gets engines of its own, so both meet cold prefix caches (same cached_tokens).
     for router_class, pair in ((Router, shims[:2]), (ThroughTranslateRequest, shims[2:4])):
         engines = [f"{shim.address}={role}" for shim, role in zip(pair, roles, strict=True)]
-        router = router_class(settings=router_settings(engines, pattern=pattern))
+        router = router_class(settings=router_settings(engines, pattern=pattern, engine_stream=engine_stream))
         async with running_router(router) as (_, stub):
             seen.append(await _stream(stub, *requests))
     fast, programmable = seen

@@ -12,6 +12,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 import pytest_asyncio
@@ -144,6 +145,39 @@ async def test_mlc_backend_pd_returns_the_embedded_shims_tokens(mlc_pair, prefil
     assert prep.end == len(tokens) - 1 and sent.num_tokens_sent == len(tokens) - 1
     assert len(expected[0]) == 16
     assert pd == expected and alone == expected  # ids, text and finish reason
+
+
+async def test_mlc_backend_serves_the_multiplexed_generate_stream(mlc_pair, prefill_shim):
+    """Engine.Generate runs over any backend's per-request streams: three interleaved
+    requests on an MLC-backend shim give the embedded shim's tokens; a cancelled one ends
+    quietly while the others finish."""
+    prompts = {f"mux-{i}": [t + 20 + i for t in PROMPT] for i in range(3)}
+    embedded_channel, embedded = engine_stub(prefill_shim.address)
+    p_channel, p_stub = engine_stub(mlc_pair["prefill"].address)
+    async with embedded_channel, p_channel:
+        expected = {rid: (await _stream(embedded, f"ref-{rid}", tokens, 0))[0] for rid, tokens in prompts.items()}
+        call = p_stub.Generate()
+        for rid, tokens in prompts.items():
+            await call.write(engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
+                request_id=rid, token_ids=tokens, sampling=greedy())))
+        await call.write(engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
+            request_id="mux-cancelled", token_ids=PROMPT, sampling=greedy(max_tokens=1500))))
+        await call.write(engine_pb2.EngineGenerateRequest(
+            cancel=engine_pb2.GenerateCancel(request_id="mux-cancelled")))
+        got: dict[str, list[int]] = {}
+        finished: set[str] = set()
+        while finished != set(prompts):
+            message = await asyncio.wait_for(call.read(), 60)
+            for output in message.outputs:
+                assert not output.HasField("error"), output.error
+                for choice in output.choices:
+                    got.setdefault(output.request_id, []).extend(choice.token_ids)
+                if output.HasField("usage"):
+                    finished.add(output.request_id)
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
+    assert {rid: got[rid] for rid in prompts} == expected
+    assert "mux-cancelled" not in finished
 
 
 async def test_mlc_backend_sends_mlcs_exact_request_json(mlc_pair):
