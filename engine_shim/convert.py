@@ -111,10 +111,19 @@ def usage_to_pb(usage: Usage) -> common_pb2.Usage:
 
 
 def generate_output_to_pb(output: GenerateOutput) -> engine_pb2.StartGenerateResponse:
-    response = engine_pb2.StartGenerateResponse(choices=[delta_to_pb(d) for d in output.deltas])
-    if output.usage is not None:
-        response.usage.CopyFrom(usage_to_pb(output.usage))
+    response = engine_pb2.StartGenerateResponse()
+    add_generate_output(response, output)
     return response
+
+
+def add_generate_output(
+    message: engine_pb2.StartGenerateResponse | engine_pb2.GenerateOutput, output: GenerateOutput
+) -> None:
+    """Appends an engine output's deltas (and its usage, on the last) to a StartGenerate
+    message or to a request's entry of an Engine.Generate batch."""
+    message.choices.extend([delta_to_pb(d) for d in output.deltas])
+    if output.usage is not None:
+        message.usage.CopyFrom(usage_to_pb(output.usage))
 
 
 def layout_to_pb(layout: KVLayout) -> engine_pb2.KVLayout:

@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
-from engine_shim.convert import delta_to_pb, usage_to_pb
+from engine_shim.convert import add_generate_output
 from engine_shim.engine.api import EngineError, GenerateOutput
 from engine_shim.errors import status_code_for
 from microserving.v1 import engine_pb2
@@ -118,10 +118,7 @@ class GenerateMultiplexer:
             outputs = self._start(start)
             try:
                 async for output in outputs:
-                    entry = self._entry(request_id)
-                    entry.choices.extend([delta_to_pb(d) for d in output.deltas])
-                    if output.usage is not None:
-                        entry.usage.CopyFrom(usage_to_pb(output.usage))
+                    add_generate_output(self._entry(request_id), output)
             finally:
                 await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
         except asyncio.CancelledError:

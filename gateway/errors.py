@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.protocol.base import ErrorInfo, ErrorResponse
+from microserving.transport import status_code
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ _BY_GRPC_CODE: dict[grpc.StatusCode, ErrorKind] = {
     grpc.StatusCode.UNAVAILABLE: UNAVAILABLE,
     grpc.StatusCode.DEADLINE_EXCEEDED: TIMEOUT,
 }
-_CODE_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
 
 
 class GatewayError(Exception):
@@ -90,7 +90,7 @@ def from_grpc(code: grpc.StatusCode, message: str, param: str = "") -> GatewayEr
 
 def from_code_number(number: int, message: str, param: str = "") -> GatewayError:
     """The HTTP error for a RequestError's numeric google.rpc.Code."""
-    return from_grpc(_CODE_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN), message, param)
+    return from_grpc(status_code(number), message, param)
 
 
 def from_rpc_error(error: grpc.aio.AioRpcError) -> GatewayError:

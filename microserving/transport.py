@@ -27,6 +27,13 @@ TOKEN_METADATA_KEY = "authorization"
 # (docker, Kubernetes) and tooling work; everything else requires it when a token is set.
 UNAUTHENTICATED_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
+_STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode of a google.rpc.Code number carried in a message (UNKNOWN if none)."""
+    return _STATUS_BY_NUMBER.get(number, grpc.StatusCode.UNKNOWN)
+
 
 @dataclass(frozen=True)
 class TransportSettings:

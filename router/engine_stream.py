@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import grpc
 
+from microserving.transport import status_code
 from microserving.v1 import engine_pb2
 from router.endpoint import STAGE_DECODE, Endpoint
 
@@ -186,7 +187,7 @@ class StreamedDecode(Generic[T]):
         if output.HasField("error"):
             error = output.error
             result.set_exception(self._router.call_failed_with(
-                _code(error.code), error.message, self._endpoint.address, _STAGE))
+                status_code(error.code), error.message, self._endpoint.address, _STAGE))
             return True
         assert self._on_output is not None  # set by run() before the start is sent
         try:
@@ -219,10 +220,3 @@ class StreamedDecode(Generic[T]):
             result.set_exception(self._router.call_failed(TimeoutError(), self._endpoint.address, _STAGE))
             return
         self._timer = loop.call_at(due, self._check)
-
-
-def _code(number: int) -> grpc.StatusCode:
-    for code in grpc.StatusCode:
-        if code.value[0] == number:
-            return code
-    return grpc.StatusCode.UNKNOWN

@@ -154,11 +154,6 @@ def launch_config(batch: int, num_kv_heads: int, device: torch.device | str) -> 
     return LaunchConfig(1, 64, 2)
 
 
-def num_splits_for(batch: int, num_kv_heads: int, device: torch.device | str) -> int:
-    """How many parts the engine cuts each context into for this batch (launch_config)."""
-    return launch_config(batch, num_kv_heads, device).num_splits
-
-
 def paged_decode_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     block_tables: torch.Tensor, context_lens: torch.Tensor, page_size: int, scale: float,
