@@ -6,7 +6,10 @@ run, with a raw grpc.aio echo round trip as the floor.
 Builds measured side by side on the same engines: `router` (this tree: decode over one
 multiplexed Engine.Generate stream per engine), `router-startgenerate` (this tree with
 `--no-engine-stream`: one StartGenerate call per request, the design before the stream) and,
-on round-robin, the bare grpc.aio relay floor (bench/relay_floor.py).
+on round-robin, the bare grpc.aio relay floor (bench/relay_floor.py). Two client modes on
+`router`: one Router.Generate call per request (`router`), and every request on one long-lived
+Router.Generate stream (`router-one-client-stream`: the API's many-requests-per-stream use,
+no call setup per request).
 
     python -m bench.router_bench [--rounds 3] [--samples 40] [--concurrency 1 64 256]
     python -m bench.router_bench --baseline-tree /tmp/router-before   # before vs after, same run
@@ -20,7 +23,11 @@ client share the machine's cores:
   drift in the engines' speed cancels pair by pair;
 - the router's own cost: its process CPU time (all threads) per request and per relayed
   token, which does not depend on how busy the engines are;
-- every figure is the median over `--rounds` rounds (spread shown beside it).
+- every figure is the median over `--rounds` rounds (spread shown beside it);
+- the engines run on the first half of the CPUs (torch threads to match) and the routers,
+  the relay floor, the echo server and this client on the rest, as on a serving host where
+  the router has cores of its own (`--no-pin`: everything shares every CPU);
+- a relay batch is repeated until it has carried `--relay-min-tokens` tokens.
 `--baseline-tree DIR` also starts a router from another source tree (e.g. `git worktree add
 DIR HEAD~1`) on the same engines and interleaves it with the others: before and after side by
 side under the same conditions.
@@ -41,7 +48,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,11 +72,42 @@ PATTERNS: dict[str, tuple[list[str], list[str], int]] = {
 }
 
 
-def _spawn(args: Sequence[str], tree: Path = REPO) -> tuple[subprocess.Popen[str], str]:
+@dataclass(frozen=True)
+class CpuPlan:
+    """Which CPUs the engines get and which the rest (routers, relay floor, echo server, this
+    client): a serving host gives the router cores of its own, so its CPU is not taken from
+    the engine it relays. Without it, on a small machine, every µs the router spends is a µs
+    the engine loses, and the relay ratio measures CPU sharing rather than the router."""
+
+    engines: frozenset[int]
+    rest: frozenset[int]
+
+    @staticmethod
+    def split() -> CpuPlan | None:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            return None
+        half = len(cpus) // 2
+        return CpuPlan(frozenset(cpus[:half]), frozenset(cpus[half:]))
+
+
+PLAN: CpuPlan | None = None  # set by run() unless --no-pin
+
+
+def _spawn(args: Sequence[str], tree: Path = REPO, engine: bool = False) -> tuple[subprocess.Popen[str], str]:
     path = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)
     env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
+    cpus = None
+    if PLAN is not None:
+        cpus = PLAN.engines if engine else PLAN.rest
+        if engine:  # torch's intra-op threads: one per CPU the engine owns
+            env["OMP_NUM_THREADS"] = str(len(cpus))
     proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                             text=True, env=env, cwd=tree)
+    if cpus is not None:
+        # Pinned from here, not in a preexec_fn (unsafe in a process with gRPC's threads): the
+        # child is still starting Python, and every thread it creates inherits the mask.
+        os.sched_setaffinity(proc.pid, cpus)
     assert proc.stdout is not None
     for line in proc.stdout:
         match = _LISTENING.search(line)
@@ -80,7 +118,7 @@ def _spawn(args: Sequence[str], tree: Path = REPO) -> tuple[subprocess.Popen[str
 
 def _shim(role: str) -> tuple[subprocess.Popen[str], str]:
     return _spawn(["-m", "microserving.cli", "shim", "--backend", "embedded", "--model", "tiny",
-                   "--role", role, "--host", "127.0.0.1", "--port", "0"])
+                   "--role", role, "--host", "127.0.0.1", "--port", "0"], engine=True)
 
 
 def _router(engines: Sequence[str], flags: Sequence[str], tree: Path = REPO) -> tuple[subprocess.Popen[str], str]:
@@ -179,6 +217,55 @@ async def router_first_token_s(stub: router_pb2_grpc.RouterStub, prompt: list[in
     return elapsed
 
 
+class SharedStream:
+    """One long-lived Router.Generate call carrying every request of a client, as the API is
+    meant to be used by a client that keeps its connection (many requests per stream, tagged by
+    id): no call setup per request. Events are handed to each request's queue by id."""
+
+    def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
+        self._call = stub.Generate()
+        self._queues: dict[str, asyncio.Queue[router_pb2.GenerateResponse]] = {}
+        self._write_lock = asyncio.Lock()  # grpc.aio allows one write in flight per call
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            message = await self._call.read()
+            if message is grpc.aio.EOF:
+                return
+            self._queues[message.request_id].put_nowait(message)
+
+    async def events(self, request: router_pb2.NewRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
+        queue: asyncio.Queue[router_pb2.GenerateResponse] = asyncio.Queue()
+        self._queues[request.request_id] = queue
+        try:
+            async with self._write_lock:
+                await self._call.write(router_pb2.GenerateRequest(generate=request))
+            while True:
+                message = await queue.get()
+                yield message
+                if message.WhichOneof("event") in ("done", "error"):
+                    return
+        finally:
+            del self._queues[request.request_id]
+
+    async def close(self) -> None:
+        await self._call.done_writing()
+        await self._reader
+
+
+async def shared_first_token_s(shared: SharedStream, prompt: list[int], rid: str) -> float:
+    request = router_pb2.NewRequest(request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt), sampling=_sampling(1))
+    start = time.perf_counter()
+    elapsed = None
+    async for message in shared.events(request):
+        if elapsed is None and message.HasField("delta"):
+            elapsed = time.perf_counter() - start
+    if elapsed is None:
+        raise RuntimeError("no token through the router")
+    return elapsed
+
+
 # ---- relay rate ----
 Arrivals = list[tuple[float, int]]  # (receive time, tokens in the message) of one stream
 
@@ -196,6 +283,16 @@ async def _router_stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], ri
     request = router_pb2.GenerateRequest(generate=router_pb2.NewRequest(
         request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt), sampling=_sampling(max_tokens)))
     async for message in stub.Generate(iter([request])):
+        if message.HasField("delta"):
+            arrivals.append((time.perf_counter(), len(message.delta.token_ids)))
+    return arrivals
+
+
+async def _shared_stream(shared: SharedStream, prompt: list[int], rid: str, max_tokens: int) -> Arrivals:
+    arrivals: Arrivals = []
+    request = router_pb2.NewRequest(request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt),
+                                    sampling=_sampling(max_tokens))
+    async for message in shared.events(request):
         if message.HasField("delta"):
             arrivals.append((time.perf_counter(), len(message.delta.token_ids)))
     return arrivals
@@ -235,6 +332,7 @@ class RouterUnderTest:
     proc: subprocess.Popen[str]
     channel: grpc.aio.Channel
     stub: router_pb2_grpc.RouterStub
+    shared: SharedStream | None = None  # this router again, every request on one client stream
 
 
 def _rotated(items: list[Any], turn: int) -> list[Any]:
@@ -247,7 +345,8 @@ async def first_token_round(
     rng: random.Random, samples: int, warmup: int, prompt_len: int, tag: str,
 ) -> dict[str, Any]:
     """`samples` interleaved tuples (direct, each router), fresh prompts, rotating order."""
-    times: dict[str, list[float]] = {"direct": [], **{r.build: [] for r in routers}}
+    builds = [b for r in routers for b in (r.build, SHARED if r.shared else None) if b]
+    times: dict[str, list[float]] = {"direct": [], **{b: [] for b in builds}}
     cpu = dict.fromkeys(times, 0.0)
     for i in range(warmup + samples):
         calls: list[tuple[str, Callable[[], Awaitable[float]], int | None]] = [
@@ -257,6 +356,9 @@ async def first_token_round(
         for r in routers:
             call = functools.partial(router_first_token_s, r.stub, _prompt(rng, prompt_len), f"{r.build}-{tag}-{i}")
             calls.append((r.build, call, r.proc.pid))
+            if r.shared is not None:
+                call = functools.partial(shared_first_token_s, r.shared, _prompt(rng, prompt_len), f"s-{tag}-{i}")
+                calls.append((SHARED, call, r.proc.pid))
         for name, timed_call, pid in _rotated(calls, i):
             before = cpu_s(pid) if pid else 0.0
             elapsed = await timed_call()
@@ -265,34 +367,54 @@ async def first_token_round(
                 if pid:
                     cpu[name] += cpu_s(pid) - before
     out: dict[str, Any] = {"direct_ms": statistics.median(times["direct"]) * 1e3}
-    for r in routers:
-        pairs = [a - b for a, b in zip(times[r.build], times["direct"], strict=True)]
-        out[r.build] = {"router_ms": statistics.median(times[r.build]) * 1e3,
-                        "added_ms": statistics.median(pairs) * 1e3,
-                        "cpu_ms_per_request": cpu[r.build] / samples * 1e3}
+    for build in builds:
+        pairs = [a - b for a, b in zip(times[build], times["direct"], strict=True)]
+        out[build] = {"router_ms": statistics.median(times[build]) * 1e3,
+                      "added_ms": statistics.median(pairs) * 1e3,
+                      "cpu_ms_per_request": cpu[build] / samples * 1e3}
     return out
 
 
 async def relay_round(engine: engine_pb2_grpc.EngineStub, engine_pid: int, routers: Sequence[RouterUnderTest],
-                      concurrency: int, max_tokens: int, rng: random.Random, tag: str, turn: int) -> dict[str, Any]:
-    """Direct and each router's streams, one after the other in a rotating order; the engine's
-    CPU per token of the direct run is the yardstick for the router's."""
+                      concurrency: int, max_tokens: int, rng: random.Random, tag: str, turn: int,
+                      min_tokens: int) -> dict[str, Any]:
+    """Direct and each router's streams, one batch of `concurrency` streams after the other in
+    a rotating order, repeated until each has relayed `min_tokens` (a single 64-token stream
+    lasts a fifth of a second: one batch alone is mostly noise); rates are the median over the
+    repeats, the ratio the median of each repeat's router/direct pair. The engine's CPU per
+    token of the direct run is the yardstick for the router's."""
     runs: list[tuple[str, StreamFn, int | None]] = [("direct", functools.partial(_direct_stream, engine), None)]
     for router in routers:
         runs.append((router.build, functools.partial(_router_stream, router.stub), router.proc.pid))
+        if router.shared is not None:
+            runs.append((SHARED, functools.partial(_shared_stream, router.shared), router.proc.pid))
+    repeats = max(1, -(-min_tokens // (concurrency * max_tokens)))
+    figures: dict[str, dict[str, list[float]]] = {name: {"steady": [], "whole": [], "cpu_s": [], "tokens": []}
+                                                  for name, _, _ in runs}
+    for repeat in range(repeats):
+        for name, stream, pid in _rotated(runs, turn + repeat):
+            before = cpu_s(pid or engine_pid)
+            steady, whole, num_tokens = await relay_rate(stream, concurrency, max_tokens, rng,
+                                                         f"{name}-{tag}-{repeat}")
+            row = figures[name]
+            row["cpu_s"].append(cpu_s(pid or engine_pid) - before)
+            row["steady"].append(steady)
+            row["whole"].append(whole)
+            row["tokens"].append(num_tokens)
     out: dict[str, Any] = {}
-    for name, stream, pid in _rotated(runs, turn):
-        before = cpu_s(pid or engine_pid)
-        steady, whole, num_tokens = await relay_rate(stream, concurrency, max_tokens, rng, f"{name}-{tag}")
-        out[name] = {"tokens_per_s": steady, "whole_run_tokens_per_s": whole,
-                     "cpu_us_per_token": (cpu_s(pid or engine_pid) - before) / num_tokens * 1e6}
-    for router in routers:
-        out[router.build]["ratio"] = out[router.build]["tokens_per_s"] / out["direct"]["tokens_per_s"]
+    direct = figures["direct"]
+    for name, row in figures.items():
+        out[name] = {"tokens_per_s": statistics.median(row["steady"]),
+                     "whole_run_tokens_per_s": statistics.median(row["whole"]),
+                     "cpu_us_per_token": sum(row["cpu_s"]) / sum(row["tokens"]) * 1e6, "repeats": repeats}
+        if name != "direct":
+            out[name]["ratio"] = statistics.median(a / b for a, b in zip(row["steady"], direct["steady"], strict=True))
     return out
 
 
 FLOOR = "grpc-relay-floor"
 PER_CALL = "router-startgenerate"
+SHARED = "router-one-client-stream"
 
 
 async def _start_routers(builds: dict[str, tuple[Path, list[str]]], engines: list[str], flags: list[str],
@@ -304,19 +426,26 @@ async def _start_routers(builds: dict[str, tuple[Path, list[str]]], engines: lis
     routers = []
     for build, proc, address in launched:
         channel = grpc.aio.insecure_channel(address)
-        routers.append(RouterUnderTest(build, proc, channel, router_pb2_grpc.RouterStub(channel)))
+        stub = router_pb2_grpc.RouterStub(channel)
+        routers.append(RouterUnderTest(build, proc, channel, stub, SharedStream(stub) if build == "router" else None))
     await asyncio.sleep(1.5)  # first health round
     return routers
 
 
 async def _stop_routers(routers: Sequence[RouterUnderTest]) -> None:
     for r in routers:
+        if r.shared is not None:
+            await r.shared.close()
         await r.channel.close()
         r.proc.terminate()
         r.proc.wait(timeout=20)
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
+    global PLAN
+    PLAN = None if args.no_pin else CpuPlan.split()
+    if PLAN is not None:
+        os.sched_setaffinity(0, PLAN.rest)
     rng = random.Random(0)
     # This tree's router on the engines' multiplexed Generate stream, and forced onto one
     # StartGenerate call per request: old and new relay in the same run.
@@ -335,7 +464,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         channels = [grpc.aio.insecure_channel(a) for a in addresses]
         engine_stubs = [engine_pb2_grpc.EngineStub(c) for c in channels]
         status = await engine_stubs[0].GetStatus(engine_pb2.GetStatusRequest())
-        report: dict[str, Any] = {"machine": "", "engine_device": status.device, "builds": [*builds, FLOOR],
+        report: dict[str, Any] = {"machine": "", "engine_device": status.device, "builds": [*builds, SHARED, FLOOR],
+                                  "cpus": ({"engines": sorted(PLAN.engines), "routers_and_clients": sorted(PLAN.rest)}
+                                           if PLAN else "all shared"),
                                   "rounds": args.rounds, "echo_rtt_ms": [], "patterns": {}, "relay": {}}
         for name in args.patterns:
             flags, roles, num_calls = PATTERNS[name]
@@ -352,7 +483,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 for concurrency in args.concurrency:
                     report["relay"][str(concurrency)] = [
                         await relay_round(engine_stubs[0], shims[0][0].pid, routers, concurrency, args.max_tokens, rng,
-                                          f"c{concurrency}-{rnd}", rnd)
+                                          f"c{concurrency}-{rnd}", rnd, args.relay_min_tokens)
                         for rnd in range(args.rounds)
                     ]
             await _stop_routers(routers)
@@ -382,10 +513,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--relay-min-tokens", type=int, default=2048,
+                        help="repeat each relay batch until it has carried this many tokens")
     parser.add_argument("--patterns", nargs="+", choices=list(PATTERNS), default=list(PATTERNS))
     parser.add_argument("--baseline-tree", help="also measure a router started from this source tree")
     parser.add_argument("--no-per-call", action="store_true",
                         help="skip the router forced onto one StartGenerate call per request (--no-engine-stream)")
+    parser.add_argument("--no-pin", action="store_true",
+                        help="leave every process on every CPU (default: engines on the first half of the CPUs, "
+                             "routers and clients on the rest)")
     parser.add_argument("--out", help="write every round's figures as JSON here")
     parser.add_argument("--echo-server", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -46,7 +46,7 @@ def summarize(report: dict[str, Any]) -> dict[str, Any]:
 def print_report(report: dict[str, Any]) -> None:
     summary = summarize(report)
     print(f"machine: {report['machine']}; engines on {report['engine_device']}; {report['rounds']} rounds, "
-          "each cell median [min-max] over the rounds")
+          f"each cell median [min-max] over the rounds; CPUs: {report.get('cpus', 'all shared')}")
     print(f"raw grpc.aio unary echo round trip: {summary['echo_rtt_ms']:.3f} ms (median of the rounds)")
     print("| pattern / build | direct ms | router ms | added ms (median of pairs) | added RTT per call "
           "| router CPU ms per request |")
