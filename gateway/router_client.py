@@ -247,27 +247,43 @@ class GenerateStream:
 
 
 class RouterClient:
-    def __init__(self, address: str, transport: TransportSettings) -> None:
+    def __init__(self, address: str, transport: TransportSettings, max_calls: int = 16,
+                 requests_per_call: int = 16) -> None:
         self.address = address
         self._channel = create_channel(address, transport, _CHANNEL_OPTIONS)
         self._router = router_pb2_grpc.RouterStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
-        self._shared: _SharedCall | None = None
+        # A few shared calls, each request on the least busy: one call carries every token of
+        # its requests through one writer at the router and one reader here.
+        self._pool: list[_SharedCall] = []
+        self._max_calls = max(1, max_calls)
+        self._requests_per_call = max(1, requests_per_call)
         self.num_generate_calls = 0  # Router.Generate calls opened so far
 
     def open_stream(self) -> GenerateStream:
         return GenerateStream(self)
 
     def shared_call(self) -> _SharedCall:
-        """The open shared Router.Generate call; a fresh one if there is none or it broke."""
-        shared = self._shared
-        if shared is not None and shared.is_usable():
-            return shared
-        if shared is not None:
-            shared.fail(_unavailable("the router connection broke"))  # no-op if it knew
-        shared = self._shared = _SharedCall(self._router.Generate())
+        """The least busy open shared Router.Generate call. A call is opened when there is
+        none, when one broke (in its place), or when every open call already carries
+        `requests_per_call` requests and the pool has room: one call carries every token of
+        its requests through one writer at the router and one reader here, so heavy
+        concurrency is spread over several."""
+        pool = self._pool
+        for index, shared in enumerate(pool):
+            if not shared.is_usable():
+                shared.fail(_unavailable("the router connection broke"))  # no-op if it knew
+                pool[index] = self._open_call()
+                return pool[index]
+        best = min(pool, key=lambda shared: len(shared.routes), default=None)
+        if best is None or (len(best.routes) >= self._requests_per_call and len(pool) < self._max_calls):
+            best = self._open_call()
+            pool.append(best)
+        return best
+
+    def _open_call(self) -> _SharedCall:
         self.num_generate_calls += 1
-        return shared
+        return _SharedCall(self._router.Generate())
 
     async def list_models(self, timeout_s: float = 5.0) -> router_pb2.ListModelsResponse:
         return await self._router.ListModels(router_pb2.ListModelsRequest(), timeout=timeout_s)
@@ -286,7 +302,7 @@ class RouterClient:
         return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     async def close(self) -> None:
-        shared, self._shared = self._shared, None
-        if shared is not None:
+        pool, self._pool = self._pool, []
+        for shared in pool:
             await shared.close()
         await self._channel.close()

@@ -219,6 +219,31 @@ async def test_requests_share_one_router_call_and_a_disconnect_sends_a_cancel(
     assert servicer.num_generate_calls == 1
 
 
+async def test_busy_calls_spread_over_more_router_calls_and_idle_ones_are_reused(
+        fake_router: FakeRouterServer) -> None:
+    client = RouterClient(fake_router.address, TransportSettings(), max_calls=3, requests_per_call=2)
+    servicer = fake_router.servicer
+    try:
+        streams = [client.open_stream() for _ in range(7)]
+        for index, stream in enumerate(streams):
+            await stream.start([router_pb2.NewRequest(request_id=f"r{index}", model="fake",
+                                                      text=f"slowslowslow{index}")])
+        # 2 requests per call until the third call, then the least busy call takes the rest
+        # (each streams 13 characters 50 ms apart: all still open here).
+        assert client.num_generate_calls == 3
+        texts = []
+        for stream in streams:
+            async with stream:
+                texts.append("".join([e.delta.text async for e in stream.events()]))
+        assert texts == [f"slowslowslow{i}"[::-1] for i in range(7)]
+        async with client.open_stream() as later:  # all idle now: no new call
+            await later.start([router_pb2.NewRequest(request_id="later", model="fake", text="ab")])
+            assert "".join([e.delta.text async for e in later.events()]) == "ba"
+        assert client.num_generate_calls == servicer.num_generate_calls == 3
+    finally:
+        await client.close()
+
+
 async def test_a_duplicate_router_request_id_fails_only_that_request(
         fake_router: FakeRouterServer) -> None:
     client = RouterClient(fake_router.address, TransportSettings())
