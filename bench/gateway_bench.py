@@ -36,24 +36,49 @@ from microserving.v1 import common_pb2, router_pb2, router_pb2_grpc
 
 
 class SyntheticRouter(router_pb2_grpc.RouterServicer):
-    """Every request: max_tokens deltas of one token each, a finish, then done."""
+    """Every request: max_tokens deltas of one token each, a finish, then done. Like the real
+    router, the requests of one stream run concurrently (a client may multiplex many on one
+    call, as the gateway does): each request's producer yields to the others after every
+    token, as an engine step would, and a bounded queue holds them back while the stream's
+    writer is busy."""
 
     async def Generate(self, request_iterator: AsyncIterator[router_pb2.GenerateRequest],
                        context: aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
-        async for message in request_iterator:
-            request = message.generate
+        outbox: asyncio.Queue[router_pb2.GenerateResponse | None] = asyncio.Queue(maxsize=256)
+        producers: set[asyncio.Task[None]] = set()
+
+        async def produce(request: router_pb2.NewRequest) -> None:
             rid, count = request.request_id, request.sampling.max_tokens
             for position in range(count):
                 reason = common_pb2.FINISH_REASON_LENGTH if position == count - 1 \
                     else common_pb2.FINISH_REASON_UNSPECIFIED
-                yield router_pb2.GenerateResponse(request_id=rid, delta=common_pb2.ChoiceDelta(
-                    index=0, token_ids=[120], text="x", finish_reason=reason))
-            yield router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.ChoiceFinish(
-                index=0, reason=common_pb2.FINISH_REASON_LENGTH))
+                await outbox.put(router_pb2.GenerateResponse(request_id=rid, delta=common_pb2.ChoiceDelta(
+                    index=0, token_ids=[120], text="x", finish_reason=reason)))
+                await asyncio.sleep(0)
+            await outbox.put(router_pb2.GenerateResponse(request_id=rid, finish=router_pb2.ChoiceFinish(
+                index=0, reason=common_pb2.FINISH_REASON_LENGTH)))
             usage = common_pb2.Usage(prompt_tokens=1, completion_tokens=count,
                                      total_tokens=count + 1)
-            yield router_pb2.GenerateResponse(request_id=rid, done=router_pb2.RequestDone(
-                usage=usage))
+            await outbox.put(router_pb2.GenerateResponse(request_id=rid, done=router_pb2.RequestDone(
+                usage=usage)))
+
+        async def read() -> None:
+            async for message in request_iterator:
+                if message.WhichOneof("action") == "generate":
+                    task = asyncio.get_running_loop().create_task(produce(message.generate))
+                    producers.add(task)
+                    task.add_done_callback(producers.discard)
+            await asyncio.gather(*producers)
+            await outbox.put(None)
+
+        reader = asyncio.get_running_loop().create_task(read())
+        try:
+            while (item := await outbox.get()) is not None:
+                yield item
+        finally:
+            reader.cancel()
+            for task in list(producers):
+                task.cancel()
 
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: aio.ServicerContext) -> router_pb2.ListModelsResponse:

@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key-file", help="file with one accepted API key per line")
     parser.add_argument("--max-inflight", type=int,
                         help="generation requests served at once; 0 = unlimited (default)")
+    parser.add_argument("--router-streams", type=int,
+                        help="most long-lived Router.Generate calls to multiplex requests on (default 16)")
+    parser.add_argument("--requests-per-router-stream", type=int,
+                        help="open requests per call before another is opened (default 16)")
     parser.add_argument("--served-model-name", help="model id to report when none is given")
     parser.add_argument("--log-level", help="log level (default info)")
     parser.add_argument("--tls-ca", help="CA bundle verifying the router (TLS)")

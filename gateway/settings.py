@@ -32,6 +32,12 @@ class GatewaySettings(BaseSettings):
     max_inflight: int = Field(default=0, ge=0,
                               description="Generation requests served at once; 0 = unlimited. "
                                           "Requests over the limit get 429 with Retry-After.")
+    router_streams: int = Field(
+        default=16, ge=1,
+        description="Most long-lived Router.Generate calls the gateway multiplexes requests on.")
+    requests_per_router_stream: int = Field(
+        default=16, ge=1,
+        description="Open requests on each of those calls before another call is opened.")
     health_timeout_s: float = Field(default=2.0, gt=0,
                                     description="Deadline of the router health check behind /health.")
     served_model_name: str = Field(default="",

@@ -31,7 +31,8 @@ class GatewayState:
         transport = TransportSettings(tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                                       tls_ca=settings.tls_ca, token=token,
                                       tls_server_name=settings.tls_server_name)
-        router = RouterClient(settings.router, transport)
+        router = RouterClient(settings.router, transport, max_calls=settings.router_streams,
+                              requests_per_call=settings.requests_per_router_stream)
 
         context = ServingContext(router=router, metrics=metrics,
                                  admission=AdmissionLimit(settings.max_inflight),

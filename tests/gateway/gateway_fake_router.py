@@ -40,16 +40,28 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
         self.active: set[str] = set()
         self.seen: list[router_pb2.NewRequest] = []
         self.token_delay_s = 0.0
+        self.num_generate_calls = 0  # Router.Generate calls opened
+        self.cancel_messages: list[str] = []  # ids of the `cancel` messages received
 
     async def Generate(self, request_iterator: AsyncIterator[router_pb2.GenerateRequest],
                        context: aio.ServicerContext) -> AsyncIterator[router_pb2.GenerateResponse]:
         queue: asyncio.Queue[router_pb2.GenerateResponse | None] = asyncio.Queue()
         tasks: list[asyncio.Task[None]] = []
+        by_id: dict[str, asyncio.Task[None]] = {}
+        self.num_generate_calls += 1
 
         async def read() -> None:
             async for message in request_iterator:
-                if message.WhichOneof("action") == "generate":
-                    tasks.append(asyncio.ensure_future(self._run(message.generate, queue)))
+                action = message.WhichOneof("action")
+                if action == "generate":
+                    task = asyncio.ensure_future(self._run(message.generate, queue))
+                    tasks.append(task)
+                    by_id[message.generate.request_id] = task
+                elif action == "cancel":  # as the real router: cancel one request of the stream
+                    self.cancel_messages.append(message.cancel.request_id)
+                    cancelled = by_id.pop(message.cancel.request_id, None)
+                    if cancelled is not None:
+                        cancelled.cancel()
 
         reader = asyncio.ensure_future(read())
         try:

@@ -6,12 +6,17 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from gateway_fake_router import FakeRouterServer
 from gateway_fixtures import RunningGateway, start_gateway
+from grpc import aio
 
+from gateway.router_client import RouterClient
 from gateway.sse import parse_events
+from microserving.transport import TransportSettings
+from microserving.v1 import router_pb2
 
 pytestmark = pytest.mark.integration
 
@@ -196,3 +201,93 @@ async def test_unknown_route_and_wrong_method_get_openai_error_bodies(
     assert missing.status_code == 404 and error_of(missing)["code"] == "not_found"
     assert wrong.status_code == 405
     error_of(wrong)
+
+
+async def test_requests_share_one_router_call_and_a_disconnect_sends_a_cancel(
+        gateway: RunningGateway) -> None:
+    servicer = gateway.router.servicer
+    body = {"model": "fake", "prompt": "slow" * 10, "stream": True}
+    async with httpx.AsyncClient(base_url=gateway.api_url, timeout=10) as http:
+        async with http.stream("POST", "/completions", json=body) as reply:
+            async for _ in reply.aiter_bytes():
+                break  # one chunk, then hang up
+        replies = await asyncio.gather(*(http.post("/completions", json={
+            "model": "fake", "prompt": f"ab{i}"}) for i in range(5)))
+    assert [r.json()["choices"][0]["text"] for r in replies] == [f"{i}ba" for i in range(5)]
+    await wait_until(lambda: bool(servicer.cancelled))
+    assert servicer.cancel_messages == servicer.cancelled  # one cancel, for the one it dropped
+    assert servicer.num_generate_calls == 1
+
+
+async def test_busy_calls_spread_over_more_router_calls_and_idle_ones_are_reused(
+        fake_router: FakeRouterServer) -> None:
+    client = RouterClient(fake_router.address, TransportSettings(), max_calls=3, requests_per_call=2)
+    servicer = fake_router.servicer
+    try:
+        streams = [client.open_stream() for _ in range(7)]
+        for index, stream in enumerate(streams):
+            await stream.start([router_pb2.NewRequest(request_id=f"r{index}", model="fake",
+                                                      text=f"slowslowslow{index}")])
+        # 2 requests per call until the third call, then the least busy call takes the rest
+        # (each streams 13 characters 50 ms apart: all still open here).
+        assert client.num_generate_calls == 3
+        texts = []
+        for stream in streams:
+            async with stream:
+                texts.append("".join([e.delta.text async for e in stream.events()]))
+        assert texts == [f"slowslowslow{i}"[::-1] for i in range(7)]
+        async with client.open_stream() as later:  # all idle now: no new call
+            await later.start([router_pb2.NewRequest(request_id="later", model="fake", text="ab")])
+            assert "".join([e.delta.text async for e in later.events()]) == "ba"
+        assert client.num_generate_calls == servicer.num_generate_calls == 3
+    finally:
+        await client.close()
+
+
+async def test_a_duplicate_router_request_id_fails_only_that_request(
+        fake_router: FakeRouterServer) -> None:
+    client = RouterClient(fake_router.address, TransportSettings())
+    try:
+        request = router_pb2.NewRequest(request_id="same", model="fake", text="slow" * 2)
+        async with client.open_stream() as first, client.open_stream() as second:
+            await first.start([request])
+            with pytest.raises(aio.AioRpcError) as raised:
+                await second.start([request])
+            assert raised.value.code() is grpc.StatusCode.INTERNAL
+            events = [e async for e in first.events()]
+        assert events[-1].WhichOneof("event") == "done"
+        assert "".join(e.delta.text for e in events) == ("slow" * 2)[::-1]
+        assert fake_router.servicer.num_generate_calls == 1 and not fake_router.servicer.cancelled
+    finally:
+        await client.close()
+
+
+async def test_concurrent_requests_across_a_router_restart_never_hang(
+        fake_router: FakeRouterServer) -> None:
+    gateway = await start_gateway(fake_router)
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def load(http: httpx.AsyncClient) -> None:
+        while not stop.is_set():
+            reply = await http.post("/completions", json={"model": "fake", "prompt": "ab"})
+            statuses.append(reply.status_code)
+            if reply.status_code != 200:
+                await asyncio.sleep(0.01)
+
+    try:
+        async with httpx.AsyncClient(base_url=gateway.api_url, timeout=5) as http:
+            loaders = [asyncio.ensure_future(load(http)) for _ in range(4)]
+            await wait_until(lambda: statuses.count(200) >= 4)
+            port = fake_router.port
+            await fake_router.stop()
+            await wait_until(lambda: 503 in statuses)
+            await fake_router.start(port)
+            served = len(statuses)
+            await wait_until(lambda: statuses[served:].count(200) >= 8, timeout_s=10)
+            stop.set()
+            await asyncio.gather(*loaders)  # a hung request would raise ReadTimeout here
+        assert set(statuses) <= {200, 503}
+        assert fake_router.servicer.num_generate_calls >= 1
+    finally:
+        await gateway.stop()

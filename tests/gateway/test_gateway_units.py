@@ -197,8 +197,11 @@ def test_cli_flags_override_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
     monkeypatch.setenv("MICROSERVING_GATEWAY_ROUTER", "10.0.0.1:1")
     monkeypatch.setenv("MICROSERVING_GATEWAY_MAX_INFLIGHT", "7")
-    settings = settings_from_args(["--router", "127.0.0.1:2", "--api-key", "a", "--api-key", "b"])
+    monkeypatch.setenv("MICROSERVING_GATEWAY_ROUTER_STREAMS", "5")
+    settings = settings_from_args(["--router", "127.0.0.1:2", "--api-key", "a", "--api-key", "b",
+                                   "--requests-per-router-stream", "3"])
     assert (settings.router, settings.max_inflight) == ("127.0.0.1:2", 7)
+    assert (settings.router_streams, settings.requests_per_router_stream) == (5, 3)
     assert settings.all_api_keys() == ["a", "b"]
 
 
