@@ -11,7 +11,7 @@ import grpc
 import pytest
 from shim_helpers import PROMPT, engine_stub, free_pages, generate, greedy, wait_for_free_pages
 
-from microserving.v1 import engine_pb2
+from microserving.v1 import common_pb2, engine_pb2
 
 pytestmark = pytest.mark.e2e
 
@@ -29,6 +29,16 @@ def _cancel(request_id: str) -> engine_pb2.EngineGenerateRequest:
 
 def _prompt(i: int) -> list[int]:
     return [*PROMPT[: 20 + i], 60 + i]
+
+
+def _bad_starts() -> list[tuple[str, list[int], common_pb2.SamplingParams, int, grpc.StatusCode]]:
+    """(request id, token ids, sampling, begin, the code StartGenerate ends with) of bad input."""
+    return [
+        ("bad-token", [1, 10**7, 3], greedy(), 0, grpc.StatusCode.INVALID_ARGUMENT),  # outside the vocabulary
+        ("bad-sampling", _prompt(1), engine_pb2_sampling_with(temperature=-1.0), 0,
+         grpc.StatusCode.INVALID_ARGUMENT),
+        ("no-prep-recv", _prompt(2), greedy(), 5, grpc.StatusCode.FAILED_PRECONDITION),  # begin > 0, no PrepRecv
+    ]
 
 
 class _Collected:
@@ -101,9 +111,8 @@ async def test_a_bad_request_fails_alone_with_start_generates_status_code(decode
         baseline = await free_pages(stub)
         call = stub.Generate()
         await call.write(_start("good", _prompt(0), greedy(max_tokens=24)))
-        await call.write(_start("bad-token", [1, 10**7, 3]))  # token id outside the vocabulary
-        await call.write(_start("bad-sampling", _prompt(1), engine_pb2_sampling_with(temperature=-1.0)))
-        await call.write(_start("no-prep-recv", _prompt(2), begin=5))  # begin > 0 without PrepRecv
+        for rid, tokens, sampling, begin, _ in _bad_starts():
+            await call.write(_start(rid, tokens, sampling, begin))
         await call.write(_start("twice", _prompt(3), greedy(max_tokens=1500)))
         await call.write(_start("twice", _prompt(3)))  # an id already active on the stream
         collected = _Collected()
@@ -111,12 +120,7 @@ async def test_a_bad_request_fails_alone_with_start_generates_status_code(decode
         call.cancel()
         assert await wait_for_free_pages(stub, baseline, within_s=2.0) == baseline
     codes = {rid: grpc.StatusCode(_status(e.code)) for rid, e in collected.errors.items()}
-    assert codes == {
-        "bad-token": grpc.StatusCode.INVALID_ARGUMENT,
-        "bad-sampling": grpc.StatusCode.INVALID_ARGUMENT,
-        "no-prep-recv": grpc.StatusCode.FAILED_PRECONDITION,
-        "twice": grpc.StatusCode.ALREADY_EXISTS,
-    }
+    assert codes == {**{rid: code for rid, *_, code in _bad_starts()}, "twice": grpc.StatusCode.ALREADY_EXISTS}
     assert all(e.message for e in collected.errors.values())
     assert len(collected.token_ids["good"]) == 24
 
@@ -125,11 +129,7 @@ async def test_same_codes_as_start_generate(decode_shim) -> None:
     """The codes above are the ones StartGenerate ends with for the same input."""
     channel, stub = engine_stub(decode_shim.address)
     async with channel:
-        for tokens, sampling, begin, code in (
-            ([1, 10**7, 3], greedy(), 0, grpc.StatusCode.INVALID_ARGUMENT),
-            (_prompt(1), engine_pb2_sampling_with(temperature=-1.0), 0, grpc.StatusCode.INVALID_ARGUMENT),
-            (_prompt(2), greedy(), 5, grpc.StatusCode.FAILED_PRECONDITION),
-        ):
+        for _, tokens, sampling, begin, code in _bad_starts():
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await generate(stub, "direct-bad", tokens, begin=begin, sampling=sampling)
             assert caught.value.code() == code
