@@ -57,6 +57,8 @@ import grpc
 import psutil
 
 from bench.router_bench_report import print_report, summarize
+from gateway.router_client import RouterClient
+from microserving.transport import TransportSettings
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
@@ -217,48 +219,22 @@ async def router_first_token_s(stub: router_pb2_grpc.RouterStub, prompt: list[in
     return elapsed
 
 
-class SharedStream:
-    """One long-lived Router.Generate call carrying every request of a client, as the API is
-    meant to be used by a client that keeps its connection (many requests per stream, tagged by
-    id): no call setup per request. Events are handed to each request's queue by id."""
-
-    def __init__(self, stub: router_pb2_grpc.RouterStub) -> None:
-        self._call = stub.Generate()
-        self._queues: dict[str, asyncio.Queue[router_pb2.GenerateResponse]] = {}
-        self._write_lock = asyncio.Lock()  # grpc.aio allows one write in flight per call
-        self._reader = asyncio.ensure_future(self._read())
-
-    async def _read(self) -> None:
-        while True:
-            message = await self._call.read()
-            if message is grpc.aio.EOF:
-                return
-            self._queues[message.request_id].put_nowait(message)
-
-    async def events(self, request: router_pb2.NewRequest) -> AsyncIterator[router_pb2.GenerateResponse]:
-        queue: asyncio.Queue[router_pb2.GenerateResponse] = asyncio.Queue()
-        self._queues[request.request_id] = queue
-        try:
-            async with self._write_lock:
-                await self._call.write(router_pb2.GenerateRequest(generate=request))
-            while True:
-                message = await queue.get()
-                yield message
-                if message.WhichOneof("event") in ("done", "error"):
-                    return
-        finally:
-            del self._queues[request.request_id]
-
-    async def close(self) -> None:
-        await self._call.done_writing()
-        await self._reader
+async def _shared_events(shared: RouterClient, request: router_pb2.NewRequest
+                         ) -> AsyncIterator[router_pb2.GenerateResponse]:
+    """One request on the client's one long-lived Router.Generate call (the gateway's client,
+    held to a single call), as the API is meant to be used by a client that keeps its
+    connection (many requests per stream, tagged by id): no call setup per request."""
+    async with shared.open_stream() as stream:
+        await stream.start([request])
+        async for message in stream.events():
+            yield message
 
 
-async def shared_first_token_s(shared: SharedStream, prompt: list[int], rid: str) -> float:
+async def shared_first_token_s(shared: RouterClient, prompt: list[int], rid: str) -> float:
     request = router_pb2.NewRequest(request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt), sampling=_sampling(1))
     start = time.perf_counter()
     elapsed = None
-    async for message in shared.events(request):
+    async for message in _shared_events(shared, request):
         if elapsed is None and message.HasField("delta"):
             elapsed = time.perf_counter() - start
     if elapsed is None:
@@ -288,11 +264,11 @@ async def _router_stream(stub: router_pb2_grpc.RouterStub, prompt: list[int], ri
     return arrivals
 
 
-async def _shared_stream(shared: SharedStream, prompt: list[int], rid: str, max_tokens: int) -> Arrivals:
+async def _shared_stream(shared: RouterClient, prompt: list[int], rid: str, max_tokens: int) -> Arrivals:
     arrivals: Arrivals = []
     request = router_pb2.NewRequest(request_id=rid, token_ids=router_pb2.TokenIds(ids=prompt),
                                     sampling=_sampling(max_tokens))
-    async for message in shared.events(request):
+    async for message in _shared_events(shared, request):
         if message.HasField("delta"):
             arrivals.append((time.perf_counter(), len(message.delta.token_ids)))
     return arrivals
@@ -332,7 +308,7 @@ class RouterUnderTest:
     proc: subprocess.Popen[str]
     channel: grpc.aio.Channel
     stub: router_pb2_grpc.RouterStub
-    shared: SharedStream | None = None  # this router again, every request on one client stream
+    shared: RouterClient | None = None  # this router again, every request on one client stream
 
 
 def _rotated(items: list[Any], turn: int) -> list[Any]:
@@ -427,7 +403,8 @@ async def _start_routers(builds: dict[str, tuple[Path, list[str]]], engines: lis
     for build, proc, address in launched:
         channel = grpc.aio.insecure_channel(address)
         stub = router_pb2_grpc.RouterStub(channel)
-        routers.append(RouterUnderTest(build, proc, channel, stub, SharedStream(stub) if build == "router" else None))
+        shared = RouterClient(address, TransportSettings(), max_calls=1) if build == "router" else None
+        routers.append(RouterUnderTest(build, proc, channel, stub, shared))
     await asyncio.sleep(1.5)  # first health round
     return routers
 
