@@ -3,7 +3,7 @@ and the shim-level results it returns. The servicer validates before calling any
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -71,6 +71,27 @@ class Backend(Protocol):
         """Stream outputs; closing the iterator early aborts the request."""
         ...
 
+    async def run_generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        on_output: Callable[[GenerateOutput], None],
+    ) -> None:
+        """`generate` with each output handed to `on_output` as it comes (the multiplexed
+        Engine.Generate path); returns once the request finished, raises when it failed.
+        Cancelling it aborts the request. `drain_generate` implements it over `generate` for
+        a backend without a faster way."""
+        ...
+
     async def abort(self, request_id: str) -> bool: ...
 
     async def status(self) -> EngineStatus: ...
+
+
+async def drain_generate(
+    outputs: AsyncIterator[GenerateOutput], on_output: Callable[[GenerateOutput], None]
+) -> None:
+    """Backend.run_generate over a backend's own `generate` stream."""
+    try:
+        async for output in outputs:
+            on_output(output)
+    finally:
+        await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -191,6 +191,13 @@ class EmbeddedBackend:
                 yield output
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
+
+    async def run_generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        on_output: Callable[[GenerateOutput], None],
+    ) -> None:
+        self._table.close(request_id)  # the reservation is consumed from here on
+        await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self.engine.import_kv(request_id, chunk)

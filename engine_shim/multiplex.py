@@ -1,44 +1,46 @@
 """Engine.Generate: many requests over one bidirectional stream, their output batched.
 
-Each started request runs as a task over its backend's per-request output stream (the same
-`Backend.generate` StartGenerate uses, so every backend gets this for free) and appends what
-it produces to the batch being built; the stream's writer sends the whole batch as one
-message whenever it is free. A request's first output goes out as soon as the writer can
-write (nothing waits for other requests); outputs that queue while the writer is busy share
-the next message. Errors end only their request, with the status code StartGenerate would
-have given; `cancel`, the caller going away or the stream breaking close the per-request
-streams, which aborts those requests on the engine.
+Each started request runs as a task over its backend's `run_generate`, which hands every output
+to `_on_output` as the engine delivers it (for the embedded engine: all of one step's outputs
+in one event-loop callback, no task switch per output). Outputs go into the message being
+built (`microserving.multiplex.Batcher`, one entry per request, merged when several steps'
+output queue up); the stream's writer sends the whole message whenever it is free. A request's
+first output goes out as soon as the writer can write; errors end only their request, with the
+status code StartGenerate would have given; `cancel`, the caller going away or the stream
+breaking cancel the per-request tasks, which aborts those requests on the engine.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
 from engine_shim.convert import add_generate_output
 from engine_shim.engine.api import EngineError, GenerateOutput
 from engine_shim.errors import status_code_for
+from microserving.multiplex import Batcher
 from microserving.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
 
-# (request_id, StartGenerateRequest) -> the request's outputs; raises the errors StartGenerate
-# would (validation, duplicates, engine errors). Closing the iterator aborts the request.
-StartFn = Callable[[engine_pb2.StartGenerateRequest], AsyncIterator[GenerateOutput]]
+# Runs one request to its end, handing each output to the callback; raises the errors
+# StartGenerate would (validation, duplicates, engine errors). Cancelling it aborts the request.
+RunFn = Callable[
+    [engine_pb2.StartGenerateRequest, Callable[[GenerateOutput], None]], Awaitable[None]
+]
 
 
 class GenerateMultiplexer:
     """One Engine.Generate stream: per-request tasks in, batched messages out."""
 
-    def __init__(self, start: StartFn) -> None:
-        self._start = start
+    def __init__(self, run: RunFn) -> None:
+        self._run_request = run
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._batch = engine_pb2.EngineGenerateResponse()
-        self._entries: dict[str, engine_pb2.GenerateOutput] = {}  # request id -> its entry in _batch
-        self._waiter: asyncio.Future[None] | None = None
+        self._out: Batcher[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = \
+            Batcher(engine_pb2.EngineGenerateResponse, lambda batch: batch.outputs)
         self._is_reading = True
 
     async def serve(
@@ -46,18 +48,8 @@ class GenerateMultiplexer:
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         reader = asyncio.get_running_loop().create_task(self._read(requests))
         try:
-            while True:
-                if self._entries:
-                    batch, self._batch, self._entries = self._batch, engine_pb2.EngineGenerateResponse(), {}
-                    yield batch
-                    continue
-                if not self._is_reading and not self._tasks:
-                    return
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+            while (batch := await self._out.take()) is not None:
+                yield batch
         finally:
             # The caller went away, the stream broke or everything ended: abort what runs.
             reader.cancel()
@@ -66,18 +58,9 @@ class GenerateMultiplexer:
                 task.cancel()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def _entry(self, request_id: str) -> engine_pb2.GenerateOutput:
-        entry = self._entries.get(request_id)
-        if entry is None:
-            entry = self._batch.outputs.add(request_id=request_id)
-            self._entries[request_id] = entry
-            self._wake()
-        return entry
+    def _close_if_idle(self) -> None:
+        if not self._is_reading and not self._tasks:
+            self._out.close()
 
     async def _read(self, requests: AsyncIterator[engine_pb2.EngineGenerateRequest]) -> None:
         try:
@@ -91,7 +74,7 @@ class GenerateMultiplexer:
                     logger.warning("Engine.Generate: a message with neither start nor cancel, ignored")
         finally:
             self._is_reading = False
-            self._wake()
+            self._close_if_idle()
 
     def _begin(self, start: engine_pb2.StartGenerateRequest) -> None:
         request_id = start.request_id
@@ -108,19 +91,18 @@ class GenerateMultiplexer:
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
-        entry = self._entries.pop(request_id, None)
-        if entry is not None:  # nothing more goes out for a cancelled request
-            self._batch.outputs.remove(entry)
+        self._out.discard(request_id)  # nothing more goes out for a cancelled request
+
+    def _on_output(self, request_id: str, output: GenerateOutput) -> None:
+        entry, _ = self._out.keyed(request_id, request_id=request_id)
+        add_generate_output(entry, output)
+        if output.is_finished:
+            self._out.seal(request_id)  # a later request under the id gets an entry of its own
 
     async def _run(self, start: engine_pb2.StartGenerateRequest) -> None:
         request_id = start.request_id
         try:
-            outputs = self._start(start)
-            try:
-                async for output in outputs:
-                    add_generate_output(self._entry(request_id), output)
-            finally:
-                await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request
+            await self._run_request(start, lambda output: self._on_output(request_id, output))
         except asyncio.CancelledError:
             raise
         except EngineError as error:
@@ -131,10 +113,10 @@ class GenerateMultiplexer:
         finally:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
-                if not self._is_reading:
-                    self._wake()
+                self._close_if_idle()
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        entry = self._entry(request_id)
+        entry, _ = self._out.keyed(request_id, request_id=request_id)
         entry.error.code = code.value[0]
         entry.error.message = message
+        self._out.seal(request_id)

@@ -3,7 +3,7 @@ purpose; errors are mapped once by `map_errors`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
 
 from grpc import aio
 
@@ -113,8 +113,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         request_iterator: AsyncIterator[engine_pb2.EngineGenerateRequest],
         context: aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        async for batch in GenerateMultiplexer(self._generate).serve(request_iterator):
+        async for batch in GenerateMultiplexer(self._run_generate).serve(request_iterator):
             yield batch
+
+    async def _run_generate(
+        self, request: engine_pb2.StartGenerateRequest, on_output: Callable[[GenerateOutput], None]
+    ) -> None:
+        """One request of Engine.Generate, checked as StartGenerate checks it; its outputs go
+        to `on_output` as the backend delivers them. Cancelling it aborts the request."""
+        tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
+        begin = validation.start_generate_begin(request.begin, len(tokens))
+        self._tracker.begin_generate(request.request_id, begin)
+        try:
+            await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output)
+        finally:
+            self._tracker.end_generate(request.request_id)
 
     async def _generate(
         self, request: engine_pb2.StartGenerateRequest

@@ -50,6 +50,33 @@ class _Command:
         self.future = future
 
 
+class _SinkStream:
+    """A request's stream that hands each output to a callback in the event loop (the
+    multiplexed Engine.Generate path: no queue and no task switch per output) and settles
+    `done` when the request finishes or fails."""
+
+    __slots__ = ("on_output", "done")
+
+    def __init__(self, on_output: Callable[[GenerateOutput], None], done: asyncio.Future[None]):
+        self.on_output = on_output
+        self.done = done
+
+    def put_nowait(self, item: object) -> None:
+        if self.done.done():
+            return
+        if isinstance(item, BaseException):
+            self.done.set_exception(item)
+            return
+        assert isinstance(item, GenerateOutput)  # only outputs and errors reach a stream
+        try:
+            self.on_output(item)
+        except BaseException as exc:  # noqa: BLE001 - surfaces in run_generate
+            self.done.set_exception(exc)
+            return
+        if item.is_finished:
+            self.done.set_result(None)
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -57,8 +84,9 @@ class AsyncEngine:
         self._commands: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._generate_queues: dict[str, asyncio.Queue[Any]] = {}
-        self._send_queues: dict[str, asyncio.Queue[Any]] = {}
+        # Per request: an asyncio.Queue (generate) or a _SinkStream (run_generate).
+        self._generate_queues: dict[str, Any] = {}
+        self._send_queues: dict[str, Any] = {}
         self._status: EngineStatus | None = None
         self._is_stopping = False
 
@@ -160,6 +188,35 @@ class AsyncEngine:
             if not is_done:
                 self._submit_nowait(lambda core: core.abort(request_id))
 
+    async def run_generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        on_output: Callable[[GenerateOutput], None],
+    ) -> None:
+        """start_generate with its outputs handed to `on_output` in the event loop as each
+        step delivers them (in order); returns when the request finishes, raises when it
+        fails. Cancelling it aborts the request."""
+        if self._loop is None:
+            raise UnavailableError("engine is not running")
+        ids = list(token_ids)
+        if request_id in self._generate_queues:
+            raise AlreadyExistsError(f"request {request_id!r} is already streaming")
+        done: asyncio.Future[None] = self._loop.create_future()
+        stream = _SinkStream(on_output, done)
+        self._generate_queues[request_id] = stream
+        is_done = True  # until the engine accepted the request there is nothing to abort
+        try:
+            await self._start(lambda core: core.start_generate(request_id, ids, begin, sampling), request_id)
+            is_done = False
+            try:
+                await done
+            finally:
+                # A cancelled wait cancels `done` too: that request is still running.
+                is_done = done.done() and not done.cancelled()
+        finally:
+            self._close_stream(self._generate_queues, request_id, stream)
+            if not is_done:
+                self._submit_nowait(lambda core: core.abort(request_id))
+
     async def remote_send(
         self,
         request_id: str,
@@ -213,7 +270,7 @@ class AsyncEngine:
                 self._submit_nowait(lambda core: core.abort(request_id))
 
     # ---- plumbing: event loop side ----
-    def _open_stream(self, streams: dict[str, asyncio.Queue[Any]], request_id: str) -> asyncio.Queue[Any]:
+    def _open_stream(self, streams: dict[str, Any], request_id: str) -> asyncio.Queue[Any]:
         if request_id in streams:
             raise AlreadyExistsError(f"request {request_id!r} is already streaming")
         stream: asyncio.Queue[Any] = asyncio.Queue()
@@ -221,9 +278,7 @@ class AsyncEngine:
         return stream
 
     @staticmethod
-    def _close_stream(
-        streams: dict[str, asyncio.Queue[Any]], request_id: str, stream: asyncio.Queue[Any]
-    ) -> None:
+    def _close_stream(streams: dict[str, Any], request_id: str, stream: object) -> None:
         if streams.get(request_id) is stream:
             del streams[request_id]
 
@@ -305,16 +360,26 @@ class AsyncEngine:
             self._fail_everything(core, EngineError(f"internal engine error: {exc}"))
             return
         self._status = core.status()  # publish before consumers see the outputs
-        for event in events:
-            self._dispatch(event)
+        if events and self._loop is not None:
+            # One hand-off per step, whatever the batch size: a wake-up of the event loop
+            # (a write to its self-pipe) per output was the shim's largest per-token cost.
+            self._loop.call_soon_threadsafe(self._dispatch_all, events)
 
-    def _dispatch(self, event: EngineEvent) -> None:
-        if isinstance(event, GenerateOutput):
-            self._post(self._generate_queues, event.request_id, event)
-        elif isinstance(event, SendReady):
-            self._post(self._send_queues, event.request_id, event)
-        elif isinstance(event, SendFailed):
-            self._post(self._send_queues, event.request_id, event.error)
+    def _dispatch_all(self, events: list[EngineEvent]) -> None:
+        """In the event loop: each event of one step to its stream, in order."""
+        generate, send = self._generate_queues, self._send_queues
+        for event in events:
+            if isinstance(event, GenerateOutput):
+                stream = generate.get(event.request_id)
+                item: object = event
+            elif isinstance(event, SendReady):
+                stream, item = send.get(event.request_id), event
+            elif isinstance(event, SendFailed):
+                stream, item = send.get(event.request_id), event.error
+            else:
+                continue
+            if stream is not None:  # its consumer may have gone: drop the item
+                stream.put_nowait(item)
 
     def _fail_everything(self, core: LLMEngine, error: EngineError) -> None:
         for request_id in [*self._generate_queues, *self._send_queues]:
@@ -325,7 +390,7 @@ class AsyncEngine:
             self._post(self._generate_queues, request_id, error)
             self._post(self._send_queues, request_id, error)
 
-    def _post(self, streams: dict[str, asyncio.Queue[Any]], request_id: str, item: object) -> None:
+    def _post(self, streams: dict[str, Any], request_id: str, item: object) -> None:
         loop = self._loop
         if loop is None:
             return

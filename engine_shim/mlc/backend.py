@@ -6,13 +6,13 @@ from __future__ import annotations
 import base64
 import json
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import httpx
 
-from engine_shim.backend import BackendInfo, Reservation, SendResult
+from engine_shim.backend import BackendInfo, Reservation, SendResult, drain_generate
 from engine_shim.engine.api import (
     EngineStatus,
     GenerateOutput,
@@ -162,6 +162,13 @@ class MLCBackend:
         finally:
             self._streams.pop(request_id, None)
             await response.aclose()
+
+    async def run_generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        on_output: Callable[[GenerateOutput], None],
+    ) -> None:
+        # MLC streams each request over an HTTP response of its own: nothing to batch here.
+        await drain_generate(self.generate(request_id, token_ids, begin, sampling), on_output)
 
     async def _outputs(
         self, request_id: str, response: httpx.Response, begin: int, sampling: SamplingParams
