@@ -34,6 +34,7 @@ logger = logging.getLogger(__name__)
 BatchT = TypeVar("BatchT")
 EntryT = TypeVar("EntryT")
 MessageT = TypeVar("MessageT")
+EntryT_contra = TypeVar("EntryT_contra", contravariant=True)
 
 
 class _Closed:
@@ -127,10 +128,10 @@ class Batcher(Generic[BatchT, EntryT]):
         return batch
 
 
-class Sink(Protocol[EntryT]):
+class Sink(Protocol[EntryT_contra]):
     """Where a MultiplexedCall hands one request's entries (in its reader task)."""
 
-    def deliver(self, entry: EntryT) -> bool:
+    def deliver(self, entry: EntryT_contra) -> bool:
         """One entry of the request; True when it was the request's last."""
 
     def fail(self, error: aio.AioRpcError) -> None:

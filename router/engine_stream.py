@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 import grpc
 
+from microserving.multiplex import MultiplexedCall
 from microserving.transport import status_code
 from microserving.v1 import engine_pb2
 from router.endpoint import STAGE_DECODE, Endpoint
@@ -35,100 +36,51 @@ _STAGE = "start_generate"
 
 class EngineStream:
     """One engine's multiplexed Generate stream, shared by every request the router decodes
-    there."""
+    there (a `microserving.multiplex.MultiplexedCall`, replaced when it breaks)."""
 
     def __init__(self, endpoint: Endpoint) -> None:
         self.endpoint = endpoint
-        self._call: grpc.aio.StreamStreamCall | None = None
-        self._decodes: dict[str, StreamedDecode[object]] = {}  # requests on the current call
-        self._write_lock = asyncio.Lock()  # grpc.aio allows one write in flight per call
-        self._tasks: set[asyncio.Task[None]] = set()  # the reader and detached cancel writes
+        self._call: MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] | None = None
         # False once the engine answered UNIMPLEMENTED (a shim from before Engine.Generate):
         # its requests then go through StartGenerate.
         self.is_supported = True
 
-    def _open(self) -> grpc.aio.StreamStreamCall:
-        call = self.endpoint.stub.Generate()
-        self._call = call
-        self._decodes = {}
-        self._spawn(self._read(call, self._decodes))
+    def _current(self) -> MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput]:
+        call = self._call
+        if call is None or not call.is_usable():
+            call = self._call = MultiplexedCall(
+                self.endpoint.stub.Generate(), _outputs_of, _request_id_of, on_broken=self._on_broken)
         return call
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _on_broken(self, error: grpc.aio.AioRpcError) -> None:
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            self.is_supported = False
+            logger.warning("engine %s does not serve Engine.Generate; using StartGenerate",
+                           self.endpoint.address)
 
     async def start(self, request: engine_pb2.StartGenerateRequest, decode: StreamedDecode[object]) -> None:
         """Send `start`; from now on `decode` gets the request's output. Raises
         grpc.aio.AioRpcError when the stream cannot take it (it is then dropped)."""
-        call = self._call or self._open()
-        decodes = self._decodes
-        decodes[request.request_id] = decode
-        try:
-            async with self._write_lock:
-                await call.write(engine_pb2.EngineGenerateRequest(start=request))
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            decodes.pop(request.request_id, None)
-            self._drop(call)
-            if isinstance(exc, grpc.aio.AioRpcError):
-                raise
-            raise _stream_error(grpc.StatusCode.UNAVAILABLE, "the engine stream has ended") from exc
+        message = engine_pb2.EngineGenerateRequest(start=request)
+        await self._current().start(request.request_id, message, decode)
 
     def cancel(self, request_id: str) -> None:
         """Abort a request that has not ended (no-op otherwise); its output is dropped."""
-        call = self._call
-        if self._decodes.pop(request_id, None) is None or call is None:
-            return
-        self._spawn(self._write_cancel(call, request_id))
-
-    async def _write_cancel(self, call: grpc.aio.StreamStreamCall, request_id: str) -> None:
-        message = engine_pb2.EngineGenerateRequest(cancel=engine_pb2.GenerateCancel(request_id=request_id))
-        try:
-            async with self._write_lock:
-                await call.write(message)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass  # the stream is gone, and with it the request on the engine
-
-    async def _read(self, call: grpc.aio.StreamStreamCall, decodes: dict[str, StreamedDecode[object]]) -> None:
-        code, detail = grpc.StatusCode.UNAVAILABLE, "the engine stream ended"
-        try:
-            while True:
-                message = await call.read()
-                if message is grpc.aio.EOF:
-                    break
-                for output in message.outputs:
-                    decode = decodes.get(output.request_id)
-                    if decode is not None and decode.deliver(output):
-                        del decodes[output.request_id]
-        except grpc.aio.AioRpcError as exc:
-            code, detail = exc.code(), exc.details() or ""
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                self.is_supported = False
-                logger.warning("engine %s does not serve Engine.Generate; using StartGenerate",
-                               self.endpoint.address)
-        finally:
-            self._drop(call)
-            for decode in list(decodes.values()):
-                decode.fail(code, detail)
-            decodes.clear()
-
-    def _drop(self, call: grpc.aio.StreamStreamCall) -> None:
-        if self._call is call:
-            self._call = None
-            self._decodes = {}
-        call.cancel()
+        if self._call is not None:
+            cancel = engine_pb2.GenerateCancel(request_id=request_id)
+            self._call.cancel(request_id, engine_pb2.EngineGenerateRequest(cancel=cancel))
 
     async def close(self) -> None:
         if self._call is not None:
-            self._drop(self._call)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+            await self._call.close()
 
 
-def _stream_error(code: grpc.StatusCode, detail: str) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details=detail)
+def _outputs_of(message: engine_pb2.EngineGenerateResponse) -> Sequence[engine_pb2.GenerateOutput]:
+    return message.outputs  # type: ignore[return-value]
+
+
+def _request_id_of(output: engine_pb2.GenerateOutput) -> str:
+    return output.request_id
 
 
 class StreamedDecode(Generic[T]):
@@ -199,12 +151,13 @@ class StreamedDecode(Generic[T]):
             result.set_result(value)
         return is_last
 
-    def fail(self, code: grpc.StatusCode, detail: str) -> None:
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
         """The stream broke under this request."""
         result = self._result
         self._is_ended = True
         if result is not None and not result.done():
-            result.set_exception(self._router.call_failed_with(code, detail, self._endpoint.address, _STAGE))
+            result.set_exception(self._router.call_failed_with(
+                error.code(), error.details() or "", self._endpoint.address, _STAGE))
 
     def _check(self) -> None:
         """The stage deadline: first output within first_token_timeout_s, then gaps under

@@ -82,7 +82,7 @@ class RequestRunner:
         try:
             if self._prepared.echo:
                 prompt = router_pb2.PromptInfo(token_ids=self._prepared.token_ids, text=self._prepared.prompt_text)
-                self._outbox.put(router_pb2.GenerateResponse(request_id=rid, prompt=prompt))
+                self._outbox.put(rid, prompt=prompt)
             await self._run_attempts()
             self._emit_done()
         except asyncio.CancelledError:
@@ -282,13 +282,13 @@ class RequestRunner:
         for index in range(self._num_choices):
             reason = self._finished.get(index, default)
             finish = router_pb2.ChoiceFinish(index=index, reason=reason)  # type: ignore[arg-type]
-            self._outbox.put(router_pb2.GenerateResponse(request_id=rid, finish=finish))
+            self._outbox.put(rid, finish=finish)
         done = router_pb2.RequestDone(usage=self._usage(), engines=self._engines)
-        self._outbox.put(router_pb2.GenerateResponse(request_id=rid, done=done))
+        self._outbox.put(rid, done=done)
 
     def _emit_error(self, code: grpc.StatusCode, message: str, param: str) -> None:
         error = router_pb2.RequestError(code=code.value[0], message=message, param=param)
-        self._outbox.put(router_pb2.GenerateResponse(request_id=self._prepared.request_id, error=error))
+        self._outbox.put(self._prepared.request_id, error=error)
 
 
 # Aborts sent to engines that just failed; kept referenced until they end.

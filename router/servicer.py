@@ -59,19 +59,34 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     async def Generate(
         self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
     ) -> AsyncIterator[router_pb2.GenerateResponse]:
+        async for batch in self._serve(request_iterator, context):
+            for response in batch.responses:
+                yield response
+
+    async def GenerateBatched(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        async for batch in self._serve(request_iterator, context):
+            yield batch
+
+    async def _serve(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        """Both Generate RPCs: the client's requests run, their events come out in batches
+        (everything queued when the writer is free)."""
         outbox = Outbox()
         runners: dict[str, asyncio.Task[None]] = {}
         reader = asyncio.get_running_loop().create_task(self._read(request_iterator, outbox, runners))
         try:
             while True:
                 try:
-                    message = await outbox.get()
+                    batch = await outbox.take()
                 except StreamError as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                     return
-                if message is None:
+                if batch is None:
                     return
-                yield message
+                yield batch
         finally:
             reader.cancel()
             tasks = list(runners.values())
@@ -173,4 +188,4 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
 
 def _put_error(outbox: Outbox, request_id: str, exc: RouterError) -> None:
     error = router_pb2.RequestError(code=exc.code.value[0], message=exc.message, param=exc.param)
-    outbox.put(router_pb2.GenerateResponse(request_id=request_id, error=error))
+    outbox.put(request_id, error=error)

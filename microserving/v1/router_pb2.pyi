@@ -482,6 +482,30 @@ class GenerateResponse(_message.Message):
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
+class GenerateResponseBatch(_message.Message):
+    """One server message of Router.GenerateBatched."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESPONSES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def responses(self) -> _containers.RepeatedCompositeFieldContainer[Global___GenerateResponse]:
+        """The events, in order for each request (requests may interleave)."""
+
+    def __init__(
+        self,
+        *,
+        responses: _abc.Iterable[Global___GenerateResponse] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["responses", b"responses"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerateResponseBatch: _TypeAlias = GenerateResponseBatch  # noqa: Y015
+
+@_typing.final
 class ListModelsRequest(_message.Message):
     """Input of Router.ListModels."""
 

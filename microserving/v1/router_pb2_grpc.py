@@ -40,6 +40,11 @@ class RouterStub:
                 request_serializer=microserving_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=microserving_dot_v1_dot_router__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateBatched = channel.stream_stream(
+                '/microserving.v1.Router/GenerateBatched',
+                request_serializer=microserving_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_router__pb2.GenerateResponseBatch.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/microserving.v1.Router/ListModels',
                 request_serializer=microserving_dot_v1_dot_router__pb2.ListModelsRequest.SerializeToString,
@@ -68,6 +73,19 @@ class RouterServicer:
         request. Closing the client side or cancelling the call cancels every request on it.
         Malformed stream messages end the call with INVALID_ARGUMENT; failures of one request
         arrive as that request's `error` and leave the others running.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateBatched(self, request_iterator, context):
+        """Generate with the server's messages batched: each message holds every event that was
+        ready when the router's writer got to write (one engine step of all the stream's requests
+        in one message instead of one message per request per step). Events keep their order
+        within a request; deltas of one choice that queued up meanwhile are merged into one
+        (never the first token: it is written as soon as the writer is free). Same client
+        messages, same events and same rules as Generate; for clients that carry many requests
+        on a stream (the gateway does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -102,6 +120,11 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=microserving_dot_v1_dot_router__pb2.GenerateRequest.FromString,
                     response_serializer=microserving_dot_v1_dot_router__pb2.GenerateResponse.SerializeToString,
+            ),
+            'GenerateBatched': grpc.stream_stream_rpc_method_handler(
+                    servicer.GenerateBatched,
+                    request_deserializer=microserving_dot_v1_dot_router__pb2.GenerateRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_router__pb2.GenerateResponseBatch.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -147,6 +170,33 @@ class Router:
             '/microserving.v1.Router/Generate',
             microserving_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
             microserving_dot_v1_dot_router__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateBatched(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/microserving.v1.Router/GenerateBatched',
+            microserving_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
+            microserving_dot_v1_dot_router__pb2.GenerateResponseBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,15 @@ class RouterStub:
     Malformed stream messages end the call with INVALID_ARGUMENT; failures of one request
     arrive as that request's `error` and leave the others running.
     """
+    GenerateBatched: _grpc.StreamStreamMultiCallable[_router_pb2.GenerateRequest, _router_pb2.GenerateResponseBatch]
+    """Generate with the server's messages batched: each message holds every event that was
+    ready when the router's writer got to write (one engine step of all the stream's requests
+    in one message instead of one message per request per step). Events keep their order
+    within a request; deltas of one choice that queued up meanwhile are merged into one
+    (never the first token: it is written as soon as the writer is free). Same client
+    messages, same events and same rules as Generate; for clients that carry many requests
+    on a stream (the gateway does).
+    """
     ListModels: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListModelsRequest, _router_pb2.ListModelsResponse]
     """The models this router serves."""
     GetStatus: _grpc.UnaryUnaryMultiCallable[_router_pb2.RouterGetStatusRequest, _router_pb2.RouterGetStatusResponse]
@@ -64,6 +73,15 @@ class RouterAsyncStub(RouterStub):
     request. Closing the client side or cancelling the call cancels every request on it.
     Malformed stream messages end the call with INVALID_ARGUMENT; failures of one request
     arrive as that request's `error` and leave the others running.
+    """
+    GenerateBatched: _aio.StreamStreamMultiCallable[_router_pb2.GenerateRequest, _router_pb2.GenerateResponseBatch]  # type: ignore[assignment]
+    """Generate with the server's messages batched: each message holds every event that was
+    ready when the router's writer got to write (one engine step of all the stream's requests
+    in one message instead of one message per request per step). Events keep their order
+    within a request; deltas of one choice that queued up meanwhile are merged into one
+    (never the first token: it is written as soon as the writer is free). Same client
+    messages, same events and same rules as Generate; for clients that carry many requests
+    on a stream (the gateway does).
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_router_pb2.ListModelsRequest, _router_pb2.ListModelsResponse]  # type: ignore[assignment]
     """The models this router serves."""
@@ -89,6 +107,21 @@ class RouterServicer(metaclass=_abc_1.ABCMeta):
         request. Closing the client side or cancelling the call cancels every request on it.
         Malformed stream messages end the call with INVALID_ARGUMENT; failures of one request
         arrive as that request's `error` and leave the others running.
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateBatched(
+        self,
+        request_iterator: _MaybeAsyncIterator[_router_pb2.GenerateRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_router_pb2.GenerateResponseBatch], _abc.AsyncIterator[_router_pb2.GenerateResponseBatch]]:
+        """Generate with the server's messages batched: each message holds every event that was
+        ready when the router's writer got to write (one engine step of all the stream's requests
+        in one message instead of one message per request per step). Events keep their order
+        within a request; deltas of one choice that queued up meanwhile are merged into one
+        (never the first token: it is written as soon as the writer is free). Same client
+        messages, same events and same rules as Generate; for clients that carry many requests
+        on a stream (the gateway does).
         """
 
     @_abc_1.abstractmethod

@@ -140,16 +140,21 @@ async def test_engine_deltas_go_out_unchanged_and_queued_ones_merge_in_order() -
     outbox = Outbox()
     first_in = _delta(0, [1], "a")
     outbox.put_choice_delta("r", first_in)
-    first = await outbox.get()  # the first delta is out before any other arrives
-    assert first is not None and first.delta == first_in and first.request_id == "r"
+    first_batch = await outbox.take()  # the first delta is out before any other arrives
+    assert first_batch is not None and len(first_batch.responses) == 1
+    first = first_batch.responses[0]
+    assert first.delta == first_in and first.request_id == "r"
     engine_messages = [_delta(0, [2], "b"), _delta(1, [9], "x"), _delta(0, [3, 4], "cd"),
                        _delta(0, [5], "e", common_pb2.FINISH_REASON_LENGTH), _delta(0, [6], "late")]
     snapshots = [m.SerializeToString() for m in engine_messages]
     for message in engine_messages:  # the writer is busy: these queue
         outbox.put_choice_delta("r", message)
-    out = [await outbox.get() for _ in range(3)]
+    batch = await outbox.take()  # everything queued meanwhile, in one message
+    assert batch is not None
+    out = list(batch.responses)
+    assert len(out) == 3
     assert [m.SerializeToString() for m in engine_messages] == snapshots  # merging copies, never mutates
-    merged, other, late = (m.delta for m in out if m is not None)
+    merged, other, late = (m.delta for m in out)
     assert list(merged.token_ids) == [2, 3, 4, 5] and merged.text == "bcde"
     assert [lp.token_id for lp in merged.logprobs] == [2, 3, 4, 5]
     assert merged.finish_reason == common_pb2.FINISH_REASON_LENGTH

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from microserving.v1 import common_pb2
+from microserving.v1 import common_pb2, router_pb2
 from router.cli import build_parser
 from router.discovery import parse_engine_spec
 from router.endpoint import DECODE, PREFILL
@@ -17,20 +17,33 @@ from router.settings import load_settings
 async def test_first_delta_goes_out_alone_and_queued_deltas_merge() -> None:
     outbox = Outbox()
     outbox.put_delta("a", 0, [1], "x")
-    first = await outbox.get()
-    assert first is not None and list(first.delta.token_ids) == [1]
+    first = await outbox.take()
+    assert first is not None and [list(r.delta.token_ids) for r in first.responses] == [[1]]
     outbox.put_delta("a", 0, [2], "y")
     outbox.put_delta("a", 0, [3], "z")  # the writer is busy: merges into the queued delta
     outbox.put_delta("b", 0, [7], "q")
     outbox.put_delta("a", 0, [4], "w", finish_reason=common_pb2.FINISH_REASON_STOP)
     outbox.put_delta("a", 0, [5], "late")  # after a finish nothing merges
-    merged = await outbox.get()
-    assert merged is not None and list(merged.delta.token_ids) == [2, 3, 4]
+    outbox.put("b", done=router_pb2.RequestDone())
+    batch = await outbox.take()
+    assert batch is not None
+    merged, other, late, done = batch.responses
+    assert list(merged.delta.token_ids) == [2, 3, 4]
     assert merged.delta.text == "yzw" and merged.delta.finish_reason == common_pb2.FINISH_REASON_STOP
-    other = await outbox.get()
-    assert other is not None and other.request_id == "b"
-    late = await outbox.get()
-    assert late is not None and list(late.delta.token_ids) == [5]
+    assert other.request_id == "b" and list(other.delta.token_ids) == [7]
+    assert late.request_id == "a" and list(late.delta.token_ids) == [5]
+    assert done.request_id == "b" and done.HasField("done")
+    outbox.close()
+    assert await outbox.take() is None
+
+
+async def test_a_closed_outbox_hands_out_what_is_queued_first() -> None:
+    outbox = Outbox()
+    outbox.put_delta("a", 0, [1], "x")
+    outbox.close()
+    batch = await outbox.take()
+    assert batch is not None and len(batch.responses) == 1
+    assert await outbox.take() is None
 
 
 def test_microserving_requests_extend_completion_request_like_mlc() -> None:
