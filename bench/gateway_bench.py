@@ -80,6 +80,32 @@ class SyntheticRouter(router_pb2_grpc.RouterServicer):
             for task in list(producers):
                 task.cancel()
 
+    async def GenerateBatched(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        """Generate's events, everything queued at each write in one message (as the router)."""
+        batch = router_pb2.GenerateResponseBatch()
+        events = self.Generate(request_iterator, context).__aiter__()
+        pending: asyncio.Task[router_pb2.GenerateResponse] | None = None
+        try:
+            while True:
+                if pending is None:
+                    pending = asyncio.ensure_future(events.__anext__())
+                if not batch.responses or pending.done():
+                    try:
+                        batch.responses.append(await pending)
+                    except StopAsyncIteration:
+                        break
+                    pending = None
+                    continue
+                yield batch
+                batch = router_pb2.GenerateResponseBatch()
+            if batch.responses:
+                yield batch
+        finally:
+            if pending is not None:
+                pending.cancel()
+
     async def ListModels(self, request: router_pb2.ListModelsRequest,
                          context: aio.ServicerContext) -> router_pb2.ListModelsResponse:
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(id="synthetic")])

@@ -26,7 +26,8 @@ from gateway.sse import DONE_EVENT, encode_event
 from microserving.v1 import router_pb2
 
 RequestT = TypeVar("RequestT", bound=SamplingFields)
-RouterEvents = AsyncIterator[Event | UsageTotals]
+# Batches of events (what arrived since the handler last looked), then the usage totals.
+RouterEvents = AsyncIterator[list[Event] | UsageTotals]
 
 # Status logged for requests whose client left (nginx's convention; never seen by a client).
 CLIENT_CLOSED_STATUS = 499
@@ -48,7 +49,7 @@ def usage_model(totals: UsageTotals) -> Usage:
                  prompt_tokens_details=details)
 
 
-async def _prepend(first: Event | UsageTotals, rest: RouterEvents) -> RouterEvents:
+async def _prepend(first: list[Event] | UsageTotals, rest: RouterEvents) -> RouterEvents:
     yield first
     async for event in rest:
         yield event
@@ -83,8 +84,9 @@ class GenerationServing(ABC, Generic[RequestT]):
 
     @abstractmethod
     def stream(self, request: RequestT, response_id: str,
-               events: RouterEvents) -> AsyncIterator[BaseModel | bytes]:
-        """The chunks of a streaming request, usage chunk included when asked for."""
+               events: RouterEvents) -> AsyncIterator[bytes]:
+        """The SSE events of a streaming request, usage chunk included when asked for: one
+        bytes object per batch of router events (one write to the client)."""
 
     def model_name(self, request: RequestT) -> str:
         return request.model or self.context.served_model_name
@@ -124,10 +126,10 @@ class GenerationServing(ABC, Generic[RequestT]):
         chunks = self.stream(request, response_id, _prepend(first, events))
         return RelayResponse(self._sse(chunks), on_close=cleanup, media_type="text/event-stream")
 
-    async def _sse(self, chunks: AsyncIterator[BaseModel | bytes]) -> AsyncIterator[bytes]:
+    async def _sse(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         try:
-            async for chunk in chunks:  # bytes: already framed by a ChunkTemplate
-                yield chunk if isinstance(chunk, bytes) else encode_event(chunk)
+            async for chunk in chunks:
+                yield chunk
         except GatewayError as error:
             self.context.on_error(error)
             yield encode_event(error.body())

@@ -20,7 +20,7 @@ from gateway.protocol.chat import (
 )
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, UsageTotals
-from gateway.sse import ChunkTemplate
+from gateway.sse import ChunkTemplate, encode_event
 from microserving.v1 import common_pb2, router_pb2
 
 
@@ -47,13 +47,15 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
         reasons: list[str | None] = [None] * request.n
         logprobs: list[list[ChatTokenLogprob]] = [[] for _ in range(request.n)]
         usage = UsageTotals()
-        async for event in events:
-            if isinstance(event, DeltaEvent):
-                texts[event.index] += event.text
-                logprobs[event.index] += chat_logprobs(event.logprobs)
-                reasons[event.index] = event.finish_reason or reasons[event.index]
-            elif isinstance(event, UsageTotals):
-                usage = event
+        async for batch in events:
+            if isinstance(batch, UsageTotals):
+                usage = batch
+                continue
+            for event in batch:
+                if isinstance(event, DeltaEvent):
+                    texts[event.index] += event.text
+                    logprobs[event.index] += chat_logprobs(event.logprobs)
+                    reasons[event.index] = event.finish_reason or reasons[event.index]
         choices = [
             ChatChoice(index=i, message=ChatMessage(content=texts[i]),
                        finish_reason=reasons[i],  # type: ignore[arg-type]
@@ -64,7 +66,7 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
                                       choices=choices, usage=usage_model(usage))
 
     async def stream(self, request: ChatCompletionRequest, response_id: str,
-                     events: RouterEvents) -> AsyncIterator[ChatCompletionChunk | bytes]:
+                     events: RouterEvents) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.model_name(request)
 
@@ -74,18 +76,22 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
 
         template = ChunkTemplate(chunk([ChatChunkChoice(
             index=ChunkTemplate.INDEX_MARKER, delta=ChatDelta(content=ChunkTemplate.TEXT_MARKER))]))
-        for index in range(request.n):
-            yield chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))])
-        async for event in events:
-            if isinstance(event, DeltaEvent) and not request.logprobs:
-                yield template.encode(event.index, event.text, event.finish_reason)
-            elif isinstance(event, DeltaEvent):
-                logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs)) \
-                    if request.logprobs else None
-                yield chunk([ChatChunkChoice(index=event.index, delta=ChatDelta(content=event.text),
-                                             logprobs=logprobs,
-                                             finish_reason=event.finish_reason)])  # type: ignore[arg-type]
-            elif isinstance(event, UsageTotals) and request.include_usage_in_stream:
+
+        def encode(event: DeltaEvent) -> bytes:
+            if not request.logprobs:
+                return template.encode(event.index, event.text, event.finish_reason)
+            logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs))
+            return encode_event(chunk([ChatChunkChoice(
+                index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs,
+                finish_reason=event.finish_reason)]))  # type: ignore[arg-type]
+
+        yield b"".join(
+            encode_event(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]))
+            for index in range(request.n))
+        async for batch in events:
+            if not isinstance(batch, UsageTotals):
+                yield b"".join(encode(event) for event in batch if isinstance(event, DeltaEvent))
+            elif request.include_usage_in_stream:
                 usage_chunk = chunk([])
-                usage_chunk.usage = usage_model(event)
-                yield usage_chunk
+                usage_chunk.usage = usage_model(batch)
+                yield encode_event(usage_chunk)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from gateway.conversion import completion_requests
@@ -15,7 +15,7 @@ from gateway.protocol.completion import (
 )
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, PromptEvent, UsageTotals
-from gateway.sse import ChunkTemplate
+from gateway.sse import ChunkTemplate, encode_event
 from microserving.v1 import common_pb2, router_pb2
 
 
@@ -58,17 +58,19 @@ class CompletionServing(GenerationServing[CompletionRequest]):
         reasons: list[str | None] = [None] * count
         builders = [_LogprobsBuilder() for _ in range(count)]
         usage = UsageTotals()
-        async for event in events:
-            if isinstance(event, PromptEvent):
-                for index in self._choices_of(request, event.prompt_index):
-                    texts[index] += event.text
-                    builders[index].add_prompt(event.text)
-            elif isinstance(event, DeltaEvent):
-                texts[event.index] += event.text
-                builders[event.index].add(event.logprobs)
-                reasons[event.index] = event.finish_reason or reasons[event.index]
-            else:
-                usage = event
+        async for batch in events:
+            if isinstance(batch, UsageTotals):
+                usage = batch
+                continue
+            for event in batch:
+                if isinstance(event, PromptEvent):
+                    for index in self._choices_of(request, event.prompt_index):
+                        texts[index] += event.text
+                        builders[index].add_prompt(event.text)
+                else:
+                    texts[event.index] += event.text
+                    builders[event.index].add(event.logprobs)
+                    reasons[event.index] = event.finish_reason or reasons[event.index]
         with_logprobs = request.logprobs is not None
         choices = [CompletionChoice(index=i, text=texts[i], finish_reason=reasons[i],  # type: ignore[arg-type]
                                     logprobs=builders[i].logprobs if with_logprobs else None)
@@ -80,7 +82,7 @@ class CompletionServing(GenerationServing[CompletionRequest]):
         return range(prompt_index * request.n, (prompt_index + 1) * request.n)
 
     async def stream(self, request: CompletionRequest, response_id: str,
-                     events: RouterEvents) -> AsyncIterator[CompletionResponse | bytes]:
+                     events: RouterEvents) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.model_name(request)
         builders = [_LogprobsBuilder() for _ in range(self._choice_count(request))]
@@ -92,19 +94,23 @@ class CompletionServing(GenerationServing[CompletionRequest]):
         template = ChunkTemplate(chunk([CompletionChoice(index=ChunkTemplate.INDEX_MARKER,
                                                          text=ChunkTemplate.TEXT_MARKER)]))
 
-        async for event in events:
+        def encode(event: PromptEvent | DeltaEvent) -> Iterator[bytes]:
             if isinstance(event, PromptEvent):
                 for index in self._choices_of(request, event.prompt_index):
                     builders[index].add_prompt(event.text)
-                    yield chunk([CompletionChoice(index=index, text=event.text)])
-            elif isinstance(event, DeltaEvent) and not with_logprobs:
+                    yield encode_event(chunk([CompletionChoice(index=index, text=event.text)]))
+            elif not with_logprobs:
                 yield template.encode(event.index, event.text, event.finish_reason)
-            elif isinstance(event, DeltaEvent):
+            else:
                 logprobs = builders[event.index].add(event.logprobs)
-                yield chunk([CompletionChoice(index=event.index, text=event.text,
-                                              logprobs=logprobs,
-                                              finish_reason=event.finish_reason)])  # type: ignore[arg-type]
+                yield encode_event(chunk([CompletionChoice(
+                    index=event.index, text=event.text, logprobs=logprobs,
+                    finish_reason=event.finish_reason)]))  # type: ignore[arg-type]
+
+        async for batch in events:
+            if not isinstance(batch, UsageTotals):
+                yield b"".join(part for event in batch for part in encode(event))
             elif request.include_usage_in_stream:
                 usage_chunk = chunk([])
-                usage_chunk.usage = usage_model(event)
-                yield usage_chunk
+                usage_chunk.usage = usage_model(batch)
+                yield encode_event(usage_chunk)

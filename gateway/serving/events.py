@@ -3,6 +3,11 @@
 A request with P prompts and n choices each has P*n choices; choice `c` of prompt `p` is
 OpenAI choice index `p * n + c`. The router may report a finish both on the last delta and in
 a ChoiceFinish; only the first one is passed on. A RequestError raises a GatewayError.
+
+Events come in batches: everything the router stream delivered since the HTTP request's task
+last looked. Deltas of one choice within a batch are merged (tokens, text and logprobs in
+order), so a client that lags gets one larger SSE chunk per choice instead of a backlog of
+one-token chunks; a stream that keeps up gets each step's tokens as they come.
 """
 
 from __future__ import annotations
@@ -36,8 +41,35 @@ class DeltaEvent:
     logprobs: Sequence[common_pb2.TokenLogprob]
     finish_reason: str | None = None
 
+    def followed_by(self, later: DeltaEvent) -> DeltaEvent:
+        """This delta and a later one of the same choice, as one."""
+        return DeltaEvent(self.index, self.text + later.text, [*self.token_ids, *later.token_ids],
+                          [*self.logprobs, *later.logprobs], later.finish_reason)
+
 
 Event = PromptEvent | DeltaEvent
+
+
+def merge_deltas(events: list[Event]) -> list[Event]:
+    """Each choice's deltas of one batch merged into its first (at that delta's place); a
+    delta after a finish (none should come) starts anew."""
+    merged: list[Event] = []
+    open_at: dict[int, int] = {}  # choice index -> position of its unfinished delta in `merged`
+    for event in events:
+        if isinstance(event, DeltaEvent):
+            at = open_at.get(event.index)
+            if at is None:
+                open_at[event.index] = len(merged)
+                merged.append(event)
+            else:
+                earlier = merged[at]
+                assert isinstance(earlier, DeltaEvent)  # open_at only points at deltas
+                merged[at] = earlier.followed_by(event)
+            if event.finish_reason is not None:
+                open_at.pop(event.index, None)
+        else:
+            merged.append(event)
+    return merged
 
 
 @dataclass
@@ -127,11 +159,15 @@ class RelayState:
 
 
 async def relay(stream: GenerateStream, requests: Sequence[router_pb2.NewRequest], n: int,
-                metrics: GatewayMetrics, started_s: float) -> AsyncIterator[Event | UsageTotals]:
-    """Starts `requests` on `stream` and yields their events, then the usage totals last."""
+                metrics: GatewayMetrics, started_s: float) -> AsyncIterator[list[Event] | UsageTotals]:
+    """Starts `requests` on `stream` and yields their events in batches (deltas merged per
+    choice), then the usage totals last."""
     state = RelayState({r.request_id: i for i, r in enumerate(requests)}, n, started_s, metrics)
     await stream.start(requests)
-    async for router_event in stream.events():
-        for event in state.translate(router_event):
-            yield event
+    async for router_events in stream.batches():
+        events: list[Event] = []
+        for router_event in router_events:
+            events += state.translate(router_event)
+        if events:
+            yield merge_deltas(events) if len(events) > 1 else events
     yield state.usage

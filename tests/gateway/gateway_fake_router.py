@@ -74,6 +74,14 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
             for task in tasks:
                 task.cancel()
 
+    async def GenerateBatched(
+        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        """Generate's events, each in a batch of its own (a valid batching: the contract
+        leaves the grouping to the router)."""
+        async for event in self.Generate(request_iterator, context):
+            yield router_pb2.GenerateResponseBatch(responses=[event])
+
     async def _run(self, request: router_pb2.NewRequest,
                    queue: asyncio.Queue[router_pb2.GenerateResponse | None]) -> None:
         rid = request.request_id

@@ -1,4 +1,4 @@
-"""The gateway multiplexes every HTTP request on one long-lived Router.Generate call: proven
+"""The gateway multiplexes every HTTP request on one long-lived Router.GenerateBatched call: proven
 against the real router (in process, its servicer counting Generate calls and the `cancel`
 messages it reads) in front of two real embedded shims (prefill + decode, subprocesses)."""
 
@@ -40,7 +40,7 @@ KEPT_TOKENS = 256  # long enough to be still generating when the other client ha
 
 @dataclass
 class Recorder:
-    """What the router's Generate servicer saw, across router restarts."""
+    """What the router's GenerateBatched servicer saw, across router restarts."""
 
     generate_calls: int = 0
     open_calls: int = 0
@@ -76,7 +76,7 @@ class RealRouter:
 
 def counting_servicer(recorder: Recorder) -> type[RouterServicer]:
     class CountingServicer(RouterServicer):
-        async def Generate(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
+        async def GenerateBatched(self, request_iterator: Any, context: Any) -> AsyncIterator[Any]:
             recorder.generate_calls += 1
             recorder.open_calls += 1
             recorder.max_open_calls = max(recorder.max_open_calls, recorder.open_calls)
@@ -88,7 +88,7 @@ def counting_servicer(recorder: Recorder) -> type[RouterServicer]:
                     yield message
 
             try:
-                async for response in super().Generate(recorded(), context):
+                async for response in super().GenerateBatched(recorded(), context):
                     yield response
             finally:
                 recorder.open_calls -= 1
