@@ -12,7 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.routes import api, ops
-from gateway.settings import GatewaySettings
+from gateway.settings import GatewaySettings, settings_from_worker_env
 from gateway.state import GatewayState
 
 
@@ -61,3 +61,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     install_error_handlers(app, on_error=metrics.count_error)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app
+
+
+def app_from_worker_env() -> FastAPI:
+    """The app of one worker process of `microserving gateway --workers N` (uvicorn's factory:
+    each worker builds its own app, router channels and streams)."""
+    return create_app(settings_from_worker_env())

@@ -8,21 +8,32 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
+import tempfile
 from typing import Any
 
 import uvicorn
 from pydantic import ValidationError
+from uvicorn.supervisors import Multiprocess
 
 from gateway.app import create_app
-from gateway.settings import GatewaySettings, reject_unknown_env
+from gateway.settings import (
+    WORKER_SETTINGS_ENV,
+    GatewaySettings,
+    reject_unknown_env,
+    worker_settings_json,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microserving gateway",
                                      description="OpenAI-compatible HTTP gateway to a router.")
-    parser.add_argument("--router", help="Router address host:port (default 127.0.0.1:50051)")
+    parser.add_argument("--router", help="Router address host:port (default 127.0.0.1:50051); "
+                        "several comma-separated for router replicas")
+    parser.add_argument("--workers", type=int,
+                        help="worker processes sharing the HTTP port (default 1)")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port, 0 for any (default 8000)")
     parser.add_argument("--api-key", dest="api_keys", action="append",
@@ -81,13 +92,29 @@ def main(argv: list[str] | None = None) -> int:
               f"{error.strerror}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
+    print(f"microserving gateway listening on {host}:{port} (router {settings.router}, "
+          f"{settings.workers} worker{'s' if settings.workers > 1 else ''})", flush=True)
+    if settings.workers > 1:
+        _run_workers(settings, sock)
+        return 0
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
-    print(f"microserving gateway listening on {host}:{port} (router {settings.router})",
-          flush=True)
-    server.run(sockets=[sock])
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+def _run_workers(settings: GatewaySettings, sock: socket.socket) -> None:
+    """uvicorn's supervisor runs `settings.workers` processes on the one listening socket (the
+    kernel spreads connections over them); each builds its app from the environment. Their
+    Prometheus metrics are summed through a shared directory (prometheus-client's
+    multiprocess mode), so /metrics on any worker reports the whole gateway."""
+    os.environ[WORKER_SETTINGS_ENV] = worker_settings_json(settings)
+    with tempfile.TemporaryDirectory(prefix="microserving-gateway-metrics-") as metrics_dir:
+        os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
+        config = uvicorn.Config("gateway.app:app_from_worker_env", factory=True,
+                                workers=settings.workers, log_level=settings.log_level,
+                                access_log=False, timeout_graceful_shutdown=5)
+        Multiprocess(config, sockets=[sock]).run()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,17 @@
 """Prometheus metrics of one gateway: requests, errors, latency, tokens and in-flight work.
 
-Each app owns its registry, so several gateways (tests) can live in one process.
+Each app owns its registry, so several gateways (tests) can live in one process. With several
+worker processes (`--workers`, PROMETHEUS_MULTIPROC_DIR set by the CLI) every worker writes
+its values to that directory and /metrics reports their sum.
 """
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
     from gateway.errors import GatewayError
@@ -41,10 +45,14 @@ class GatewayMetrics:
             registry=self.registry)
         self.inflight = Gauge(
             "microserving_gateway_inflight_requests", "Generation requests being served.",
-            registry=self.registry)
+            registry=self.registry, multiprocess_mode="livesum")
 
     def count_error(self, error: GatewayError) -> None:
         self.errors.labels(code=error.kind.code).inc()
 
     def render(self) -> bytes:
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # worker processes: all of them summed
+            registry = CollectorRegistry()
+            MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)

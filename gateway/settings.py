@@ -6,6 +6,7 @@ environment. Unknown MICROSERVING_GATEWAY_* variables are rejected by name.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Annotated
@@ -20,7 +21,11 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="forbid", frozen=True)
 
     router: str = Field(default="127.0.0.1:50051",
-                        description="Address of the Router service, host:port.")
+                        description="Address of the Router service, host:port; several "
+                                    "comma-separated for router replicas (requests spread over them).")
+    workers: int = Field(default=1, ge=1, le=64,
+                         description="Gateway worker processes sharing the HTTP port (each with "
+                                     "its own router streams); one Python process caps at one core.")
     host: str = Field(default="127.0.0.1", description="Interface the HTTP server binds.")
     port: int = Field(default=8000, ge=0, le=65535,
                       description="HTTP port; 0 picks a free one (the bound port is printed).")
@@ -34,7 +39,8 @@ class GatewaySettings(BaseSettings):
                                           "Requests over the limit get 429 with Retry-After.")
     router_streams: int = Field(
         default=16, ge=1,
-        description="Most long-lived Router.Generate calls the gateway multiplexes requests on.")
+        description="Most long-lived Router.GenerateBatched calls (per worker) the gateway "
+                    "multiplexes requests on.")
     requests_per_router_stream: int = Field(
         default=16, ge=1,
         description="Open requests on each of those calls before another call is opened.")
@@ -76,6 +82,24 @@ def reject_unknown_env(environ: dict[str, str] | None = None) -> None:
     """Raises ValueError naming MICROSERVING_GATEWAY_* variables that match no setting."""
     env = os.environ if environ is None else environ
     known = {ENV_PREFIX + name.upper() for name in GatewaySettings.model_fields}
+    known.add(WORKER_SETTINGS_ENV)
     unknown = sorted(k for k in env if k.startswith(ENV_PREFIX) and k not in known)
     if unknown:
         raise ValueError(f"unknown gateway settings in the environment: {', '.join(unknown)}")
+
+
+# The variable that hands a worker process its settings (not a setting itself).
+WORKER_SETTINGS_ENV = "MICROSERVING_GATEWAY_WORKER_SETTINGS_JSON"
+
+
+def worker_settings_json(settings: GatewaySettings) -> str:
+    """The settings, secrets included, for worker processes (through their environment, which
+    is where the API keys and token come from anyway: never on a command line)."""
+    values = settings.model_dump(mode="json")
+    values["api_keys"] = [key.get_secret_value() for key in settings.api_keys]
+    values["token"] = settings.token.get_secret_value() if settings.token else None
+    return json.dumps(values)
+
+
+def settings_from_worker_env() -> GatewaySettings:
+    return GatewaySettings.model_validate(json.loads(os.environ[WORKER_SETTINGS_ENV]))

@@ -41,6 +41,18 @@ class StackPlan:
     transport: TransportSettings = TransportSettings()  # every gRPC hop of the stack
     router_args: tuple[str, ...] = ()
     api_keys: tuple[str, ...] = ()  # handed to the gateway in its environment, never in argv
+    gateway_workers: int = 1
+    router_replicas: int = 1
+    shim_args: tuple[str, ...] = ()
+
+
+def default_process_counts(num_cpus: int) -> tuple[int, int]:
+    """(gateway workers, router replicas) for a host with `num_cpus` CPUs: one Python process
+    relays at most one core's worth of tokens, so a big host gets several of each, leaving
+    most cores to the engines (each engine shim keeps a core for its own serving)."""
+    gateway_workers = max(1, min(4, num_cpus // 4))
+    router_replicas = max(1, min(4, num_cpus // 8))
+    return gateway_workers, router_replicas
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +78,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--internal-token", action="store_true",
                         help="require the shared token of MICROSERVING_INTERNAL_TOKEN on every "
                              "gRPC hop (read from the environment so it never shows in ps)")
+    parser.add_argument("--gateway-workers", type=int,
+                        help="gateway worker processes (default: from the CPU count, 1 per 4 "
+                             "CPUs, at most 4)")
+    parser.add_argument("--router-replicas", type=int,
+                        help="router processes, the gateway spreading requests over them "
+                             "(default: 1 per 8 CPUs, at most 4)")
+    parser.add_argument("--shim-arg", action="append", default=[],
+                        help="extra argument for every shim, e.g. --shim-arg=--backend=synthetic")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0)
     parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
     return parser
@@ -104,9 +124,17 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     transport = TransportSettings(tls_cert=args.tls_cert, tls_key=args.tls_key,
                                   tls_ca=args.tls_ca, token=token,
                                   tls_server_name=args.tls_server_name)
+    auto_workers, auto_replicas = default_process_counts(os.cpu_count() or 1)
+    gateway_workers = auto_workers if args.gateway_workers is None else args.gateway_workers
+    router_replicas = auto_replicas if args.router_replicas is None else args.router_replicas
+    if gateway_workers < 1 or router_replicas < 1:
+        parser.error("--gateway-workers and --router-replicas must be at least 1")
+    if gateway_workers > 1:
+        gateway_args += ["--workers", str(gateway_workers)]
     return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
-                     args.grace_s, transport, router_extra, tuple(args.api_key))
+                     args.grace_s, transport, router_extra, tuple(args.api_key),
+                     gateway_workers, router_replicas, tuple(args.shim_arg))
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
@@ -114,13 +142,15 @@ def _command(subcommand: str, *args: str) -> list[str]:
 
 
 def shim_command(plan: StackPlan, role: str) -> list[str]:
-    return _command("shim", "--backend", "embedded", "--model", plan.model, "--role", role,
-                    "--device", plan.device, "--host", INTERNAL_HOST, "--port", "0")
+    backend = () if any(a.startswith("--backend") for a in plan.shim_args) else ("--backend", "embedded")
+    return _command("shim", *backend, "--model", plan.model, "--role", role,
+                    "--device", plan.device, "--host", INTERNAL_HOST, "--port", "0",
+                    *plan.shim_args)
 
 
-def router_command(plan: StackPlan, engines: list[tuple[str, str]]) -> list[str]:
+def router_command(plan: StackPlan, engines: list[tuple[str, str]], port: int | None = None) -> list[str]:
     args = ["--pattern", plan.pattern, "--model", plan.model, "--host", INTERNAL_HOST,
-            "--port", str(plan.router_port)]
+            "--port", str(plan.router_port if port is None else port)]
     for address, role in engines:
         args += ["--engine", f"{address}={role}"]
     if plan.pd_balance_factor is not None:
@@ -208,8 +238,11 @@ class Stack:
 
         engines = [(self.wait_ready(s, is_serving, deadline_s), r)
                    for s, r in zip(shims, plan.roles, strict=True)]
-        router = self.spawn("router", router_command(plan, engines), "ROUTER")
-        router_address = self.wait_ready(router, is_serving, deadline_s)
+        # The first replica on --router-port, any others on free ports.
+        routers = [self.spawn("router" if i == 0 else f"router-{i}",
+                              router_command(plan, engines, None if i == 0 else 0), "ROUTER")
+                   for i in range(plan.router_replicas)]
+        router_address = ",".join(self.wait_ready(r, is_serving, deadline_s) for r in routers)
         gateway = self.spawn("gateway", gateway_command(plan, router_address), "GATEWAY")
         address = self.wait_ready(gateway, lambda a: is_http_healthy(f"http://{a}/health"),
                                   deadline_s)
@@ -240,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = stack.start()
         print(f"microserving up: ready at {url}", flush=True)
-        _say(f"pattern {plan.pattern}, engines {', '.join(plan.roles)}; Ctrl-C stops everything")
+        _say(f"pattern {plan.pattern}, engines {', '.join(plan.roles)}, "
+             f"{plan.router_replicas} router(s), {plan.gateway_workers} gateway worker(s); "
+             "Ctrl-C stops everything")
         stack.stopping.wait()
         if not interrupted.is_set():
             _say(f"stopping: {stack._why_stopped()}")
