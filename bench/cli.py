@@ -4,7 +4,8 @@
         --input-len 3000 --output-len 100 --ignore-eos --out runs/rate2
     microserving bench compare runs/rate1 runs/rate2 --out runs/compare
 
-Also dispatches `microserving bench control-plane ...` and `microserving bench patterns ...`.
+Also dispatches `microserving bench capacity ...`, `microserving bench control-plane ...` and
+`microserving bench patterns ...`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from bench.loadgen.workload import SHORT_CHAT_INPUT, SHORT_CHAT_OUTPUT, Workload
 
 # Other benchmarks reachable as `microserving bench NAME ...`: module with main(argv).
 SUBCOMMANDS = {
+    "capacity": "bench.capacity.cli",
     "compare": "bench.cli:compare_main",
     "control-plane": "bench.control_plane",
     "patterns": "bench.patterns",
@@ -51,7 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="microserving bench",
         description="Streaming load generator for OpenAI-compatible servers "
-        "(subcommands: compare, control-plane, patterns).",
+        "(subcommands: capacity, compare, control-plane, patterns).",
         allow_abbrev=False,
     )
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000/v1")

@@ -18,7 +18,8 @@ logger = logging.getLogger("engine_shim")
 
 # flag -> settings field; flags left out fall back to the environment, then the defaults.
 _FLAGS: tuple[tuple[str, type, str], ...] = (
-    ("--backend", str, "embedded | mlc"),
+    ("--backend", str, "embedded | mlc | synthetic (BENCHMARK ONLY: a model-free engine that "
+     "emits tokens on a GPU step-time schedule; never a test of the engine)"),
     ("--model", str, "model preset (tiny, llama-100m, llama-1b) or local Hugging Face directory"),
     ("--host", str, "interface to bind (default 127.0.0.1)"),
     ("--port", int, "gRPC port; 0 picks a free one (the bound port is printed)"),
@@ -53,6 +54,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--tls-key", str, "PEM key of --tls-cert"),
     ("--tls-ca", str, "CA bundle: requires client certificates (mutual TLS), verifies peers"),
     ("--tls-server-name", str, "override of the name checked in peers' certificates"),
+    ("--synthetic-step-ms", str, "synthetic backend: decode step ms by batch, e.g. "
+     "1:1.03,32:1.33,128:2.01 (default; llama-1b on an H200)"),
+    ("--synthetic-prefill-tok-s", float, "synthetic backend: prefill tokens/s (default 120000)"),
     ("--log-level", str, "logging level"),
 )
 

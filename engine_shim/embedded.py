@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from engine_shim.engine.async_engine import AsyncEngine
+    from engine_shim.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +55,16 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
 
 
 class EmbeddedBackend:
-    def __init__(self, settings: ShimSettings) -> None:
+    def __init__(
+        self,
+        settings: ShimSettings,
+        core_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+        name: str = "embedded",
+    ) -> None:
+        """`core_factory`/`name`: only the benchmark-only synthetic backend passes them."""
         self._settings = settings
+        self._core_factory = core_factory
+        self._name = name
         self._engine: AsyncEngine | None = None
         self._info: BackendInfo | None = None
         # Shared memory only where a host identity exists (Linux) and the setting allows.
@@ -82,11 +91,15 @@ class EmbeddedBackend:
         from engine_shim.engine.async_engine import AsyncEngine  # torch loads here
 
         self._address = advertise_address
-        engine = AsyncEngine(engine_config(self._settings))
+        config = engine_config(self._settings)
+        engine = (
+            AsyncEngine(config) if self._core_factory is None
+            else AsyncEngine(config, self._core_factory)
+        )
         await engine.start()
         self._engine = engine
         self._info = BackendInfo(
-            name="embedded",
+            name=self._name,
             model_id=engine.model_id,
             device=self._settings.device,
             vocab_size=engine.vocab_size,

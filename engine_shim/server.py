@@ -29,6 +29,10 @@ def make_backend(settings: ShimSettings) -> Backend:
         from engine_shim.embedded import EmbeddedBackend
 
         return EmbeddedBackend(settings)
+    if settings.backend == "synthetic":  # benchmark only
+        from engine_shim.synthetic.backend import SyntheticBackend
+
+        return SyntheticBackend(settings)
     from engine_shim.mlc.backend import MLCBackend
 
     return MLCBackend(settings)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
 from microserving.transport import DEFAULT_MAX_MESSAGE_BYTES, TransportSettings
 
 Role = Literal["prefill", "decode", "both"]
@@ -18,8 +19,10 @@ class ShimSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MICROSERVING_SHIM_", extra="forbid")
 
-    backend: Literal["embedded", "mlc"] = Field(
-        "embedded", description="Engine behind the shim: the in-process torch engine or MLC-LLM."
+    backend: Literal["embedded", "mlc", "synthetic"] = Field(
+        "embedded",
+        description="Engine behind the shim: the in-process torch engine, MLC-LLM, or "
+        "synthetic (BENCHMARK ONLY: no model, tokens on a GPU step-time schedule).",
     )
     model: str = Field("tiny", description="Model preset name or local Hugging Face directory.")
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
@@ -92,7 +95,22 @@ class ShimSettings(BaseSettings):
     max_message_bytes: int = Field(
         DEFAULT_MAX_MESSAGE_BYTES, ge=1024, description="Largest gRPC message in either direction."
     )
+    synthetic_step_ms: str = Field(
+        DEFAULT_STEP_MS,
+        description="Synthetic backend (benchmark only): decode step ms by batch size, "
+        "BATCH:MS pairs, interpolated linearly (default: llama-1b on one H200).",
+    )
+    synthetic_prefill_tok_s: float = Field(
+        DEFAULT_PREFILL_TOK_S, gt=0,
+        description="Synthetic backend (benchmark only): prompt tokens computed per second.",
+    )
     log_level: str = Field("INFO", description="Python logging level.")
+
+    @field_validator("synthetic_step_ms")
+    @classmethod
+    def _step_profile_parses(cls, value: str) -> str:
+        StepProfile.parse(value)  # ValueError -> a clear settings error at start-up
+        return value
 
     def transport(self) -> TransportSettings:
         return TransportSettings(

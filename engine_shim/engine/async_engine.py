@@ -78,8 +78,13 @@ class _SinkStream:
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, core_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
+    ) -> None:
+        """`core_factory` builds the core in the engine thread; only the benchmark-only
+        synthetic backend passes another (engine_shim/synthetic), to drive this same path."""
         self.config = config
+        self._core_factory = core_factory
         self._core: LLMEngine | None = None
         self._commands: queue.Queue[Any] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -304,7 +309,7 @@ class AsyncEngine:
     # ---- plumbing: engine thread side ----
     def _thread_main(self, started: asyncio.Future[None]) -> None:
         try:
-            core = LLMEngine(self.config)
+            core = self._core_factory(self.config)
             core.warmup()
         except Exception as exc:  # the model failed to load: report it to start()
             logger.exception("engine failed to start")

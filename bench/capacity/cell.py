@@ -1,0 +1,94 @@
+"""One measured cell (pattern x streams x round): the load, the CPU counters at the window's
+edges, and the figures derived from them."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.capacity.client import LoadResult, LoadSpec, run_load
+from bench.capacity.cpu import machine_busy_s
+from bench.capacity.nominal import Nominal
+from bench.capacity.stack import Stack
+from bench.loadgen.stats import percentile
+
+
+@dataclass
+class _Snapshot:
+    wall_s: float
+    processes: dict[str, tuple[float, float]]  # name -> (group CPU s, engine thread CPU s)
+    machine_busy_s: float
+    client_cpu_s: float
+
+
+def _snapshot(stack: Stack) -> _Snapshot:
+    return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), time.process_time())
+
+
+async def measure_cell(stack: Stack, spec: LoadSpec, schedule: Nominal) -> dict[str, Any]:
+    edges: dict[str, _Snapshot] = {}
+
+    def at_edge(edge: str) -> None:
+        edges[edge] = _snapshot(stack)
+
+    result = await run_load(spec, at_edge)
+    return cell_figures(result, edges["open"], edges["close"], spec, schedule)
+
+
+def _per_1k(cpu_s: float, num_tokens: int) -> float | None:
+    """CPU milliseconds per 1,000 relayed tokens."""
+    return None if num_tokens == 0 else cpu_s / num_tokens * 1e6
+
+
+def cell_figures(
+    result: LoadResult, opened: _Snapshot, closed: _Snapshot, spec: LoadSpec, schedule: Nominal
+) -> dict[str, Any]:
+    window_s = closed.wall_s - opened.wall_s
+    records = result.records
+    num_tokens = sum(r.num_tokens_in_window for r in records)
+    ttfts = [r.ttft_s for r in records if r.ttft_s is not None and r.started_s >= spec.warmup_s]
+    itls = [b - a for r in records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)
+            if a >= spec.warmup_s]
+    serving_s: dict[str, float] = {}
+    engine_threads: dict[str, float | None] = {}
+    cores: dict[str, float] = {}
+    for name, (cpu_after, engine_after) in closed.processes.items():
+        cpu_before, engine_before = opened.processes[name]
+        engine_s = engine_after - engine_before
+        serving_s[name] = cpu_after - cpu_before - engine_s
+        if name.startswith("shim"):
+            engine_threads[name] = _per_1k(engine_s, num_tokens)
+        cores[name] = (cpu_after - cpu_before) / window_s
+    client_tok_s = num_tokens / window_s
+    finished = [r.completion_tokens or 0 for r in records if r.finish_reason is not None]
+    ttft_p50_s = percentile(ttfts, 50) if ttfts else None
+    return {
+        "nominal_tok_s": schedule.tok_s,
+        "decode_tok_s": schedule.decode_tok_s,
+        "client_tok_s": client_tok_s,
+        "ratio": client_tok_s / schedule.tok_s,
+        "schedule_ttft_ms": schedule.ttft_s * 1e3,
+        "ttft_p50_ms": None if ttft_p50_s is None else ttft_p50_s * 1e3,
+        "ttft_added_p50_ms": None if ttft_p50_s is None else (ttft_p50_s - schedule.ttft_s) * 1e3,
+        "itl_p99_ms": percentile(itls, 99) * 1e3 if itls else None,
+        # Serving CPU: each process group, its engine thread (a stand-in for the GPU
+        # engine's own schedule) taken out of the shims.
+        "cpu_ms_per_1k_tokens": {
+            **{name: _per_1k(cpu_s, num_tokens) for name, cpu_s in serving_s.items()},
+            "total": _per_1k(sum(serving_s.values()), num_tokens),
+        },
+        "engine_thread_ms_per_1k_tokens": engine_threads,
+        "cpu_cores": cores,
+        "client_cpu_ms_per_1k_tokens": _per_1k(closed.client_cpu_s - opened.client_cpu_s, num_tokens),
+        "machine_busy_cores": (closed.machine_busy_s - opened.machine_busy_s) / window_s,
+        "window_s": window_s,
+        "num_tokens": num_tokens,
+        "num_requests_started": len(records),
+        "num_requests_finished": sum(1 for r in records if r.finish_reason is not None),
+        "completion_tokens_min": min(finished, default=None),
+        "completion_tokens_max": max(finished, default=None),
+        "errors": [r.error for r in records if r.error is not None][:10],
+        "num_errors": sum(1 for r in records if r.error is not None),
+    }
+

@@ -1,0 +1,137 @@
+"""`microserving bench capacity --out DIR`: how much of a GPU engine's token rate the control
+plane relays, measured on a CPU machine.
+
+Starts gateway + router + synthetic shims (a BENCHMARK-ONLY backend that keeps a measured GPU
+step-time schedule) as real processes, drives round-robin (one engine) and disagg (1P:1D) with
+closed-loop streams through the gateway's OpenAI API, and writes DIR/capacity.json plus a
+table: client tok/s against what the schedule allows, the first-token time added over the
+schedule's own, ITL p99, and each process's CPU ms per 1,000 relayed tokens (from /proc;
+the synthetic engine thread, which stands for the GPU engine, taken out).
+
+    microserving bench capacity --out runs/capacity
+    microserving bench capacity --toy --out /tmp/cap         # seconds, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from bench.capacity.cell import measure_cell
+from bench.capacity.client import LoadSpec
+from bench.capacity.nominal import nominal
+from bench.capacity.report import fold_rounds, table
+from bench.capacity.stack import ROLES, StackOptions, start_stack
+from bench.loadgen.results import machine_info
+from bench.procs import service_group
+from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
+
+_SETTLE_S = 1.0  # after a timed cell cuts its streams off, let the stack abort them
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="microserving bench capacity", allow_abbrev=False,
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="directory for capacity.json and logs")
+    p.add_argument("--patterns", nargs="+", choices=tuple(ROLES), default=list(ROLES))
+    p.add_argument("--streams", nargs="+", type=int, default=[1, 32, 64, 128],
+                   help="closed-loop stream counts")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (token ids)")
+    p.add_argument("--output-len", type=int, default=256, help="tokens per request (ignore_eos)")
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--duration-s", type=float, help="measured window per cell (default 10)")
+    load.add_argument("--requests", type=int,
+                      help="requests per cell instead of a window: every token counts")
+    p.add_argument("--warmup-s", type=float, default=3.0, help="timed cells: load before the window")
+    p.add_argument("--rounds", type=int, default=1, help="rounds per cell (median and spread)")
+    p.add_argument("--step-ms", default=DEFAULT_STEP_MS,
+                   help="synthetic decode step ms by batch (default: llama-1b on one H200)")
+    p.add_argument("--prefill-tok-s", type=float, default=DEFAULT_PREFILL_TOK_S)
+    p.add_argument("--gateway-workers", type=int,
+                   help="passed as the gateway's --workers (when the gateway has it)")
+    p.add_argument("--router-replicas", type=int,
+                   help="passed as the router's --replicas (when the router has it)")
+    p.add_argument("--toy", action="store_true",
+                   help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens")
+    return p
+
+
+def _load_specs(args: argparse.Namespace) -> tuple[list[int], LoadSpec]:
+    if args.toy:
+        args.streams, args.input_len, args.output_len = [1, 4], 32, 16
+        args.requests = args.requests or 8
+    spec = LoadSpec(base_url="", model="tiny", streams=1, input_len=args.input_len,
+                    output_len=args.output_len)
+    if args.requests is not None:
+        return args.streams, replace(spec, num_requests=args.requests)
+    return args.streams, replace(spec, warmup_s=args.warmup_s, duration_s=args.duration_s or 10.0)
+
+
+def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
+    gateway_args = () if args.gateway_workers is None else ("--workers", str(args.gateway_workers))
+    router_args = () if args.router_replicas is None else ("--replicas", str(args.router_replicas))
+    return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
+                        max_num_seqs=max(256, max_streams), gateway_args=gateway_args,
+                        router_args=router_args)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    profile = StepProfile.parse(args.step_ms, args.prefill_tok_s)
+    streams_list, base_spec = _load_specs(args)
+    options = _stack_options(args, max(streams_list))
+    rows: list[dict[str, Any]] = []
+    with service_group(args.out / "logs") as group:
+        for pattern in args.patterns:
+            stack = await start_stack(group, pattern, options)
+            rounds: dict[int, list[dict[str, Any]]] = {s: [] for s in streams_list}
+            for round_index in range(args.rounds):
+                for streams in streams_list:
+                    spec = replace(base_spec, base_url=stack.base_url, streams=streams,
+                                   seed=round_index * 1000 + streams)
+                    schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len)
+                    cell = await measure_cell(stack, spec, schedule)
+                    rounds[streams].append(cell)
+                    _progress(pattern, streams, round_index, cell)
+                    if spec.duration_s is not None:
+                        await asyncio.sleep(_SETTLE_S)
+            rows += [fold_rounds(pattern, s, rounds[s]) for s in streams_list]
+            group.close()
+    return {
+        "benchmark": "capacity",
+        "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                   "load": asdict(base_spec)},
+        "profile": {"step_ms": args.step_ms, "prefill_tok_s": args.prefill_tok_s},
+        "machine": machine_info(["microserving", "bench", "capacity", *sys.argv[2:]]),
+        "rows": rows,
+    }
+
+
+def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]) -> None:
+    print(f"  {pattern:<12} streams {streams:>4} round {round_index}: "
+          f"{cell['client_tok_s']:,.0f} tok/s (ratio {cell['ratio']:.2f}), "
+          f"CPU {cell['cpu_ms_per_1k_tokens']['total'] or 0:.1f} ms per 1k tokens, "
+          f"{cell['num_errors']} errors", file=sys.stderr, flush=True)
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or min(args.streams) < 1 or args.input_len < 2 or args.output_len < 1:
+        parser.error("--rounds, --streams and --output-len must be >= 1, --input-len >= 2")
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        result = asyncio.run(run(args))
+    except (RuntimeError, TimeoutError, ValueError) as error:
+        print(f"microserving bench capacity: {error}", file=sys.stderr)
+        return 1
+    path = args.out / "capacity.json"
+    path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    print(table(result["rows"]))
+    print(f"CPU columns: ms per 1,000 relayed tokens (shims without their engine thread). "
+          f"results: {path}")
+    return 0

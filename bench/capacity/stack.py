@@ -1,0 +1,94 @@
+"""One stack of real processes per pattern: synthetic shims (benchmark-only backend), the router
+and the gateway, started from their entry points by bench/procs.py; and the CPU counters of
+each, read from /proc (a service's whole process group; a shim's engine thread apart)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from bench.capacity.cpu import group_cpu_s, thread_cpu_s
+from bench.control_plane_run import wait_grpc_serving, wait_http_ready
+from bench.procs import Service, ServiceGroup
+
+# Printed by the synthetic backend once its engine thread runs (engine_shim/synthetic/backend.py).
+_ENGINE_THREAD = re.compile(r"engine thread native id (\d+)")
+
+ROLES = {"round-robin": ("both",), "disagg": ("prefill", "decode")}
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    model: str = "tiny"
+    step_ms: str | None = None  # None: the synthetic backend's default profile
+    prefill_tok_s: float | None = None
+    max_num_seqs: int = 256
+    gateway_args: tuple[str, ...] = ()  # e.g. ("--workers", "2") once the gateway has it
+    router_args: tuple[str, ...] = ()
+    startup_timeout_s: float = 120.0
+
+
+@dataclass
+class StackProcess:
+    name: str  # gateway | router | shim-<role>
+    service: Service
+    engine_tid: int | None = None  # shims only
+
+    def cpu_s(self) -> tuple[float, float]:
+        """(CPU of the process group, CPU of its engine thread) in seconds."""
+        pid = self.service.process.pid
+        engine_s = thread_cpu_s(pid, self.engine_tid) if self.engine_tid else 0.0
+        return group_cpu_s(pid), engine_s  # started with its own session: pgid == pid
+
+
+@dataclass
+class Stack:
+    pattern: str
+    base_url: str
+    processes: list[StackProcess] = field(default_factory=list)
+
+    def cpu_s(self) -> dict[str, tuple[float, float]]:
+        return {p.name: p.cpu_s() for p in self.processes}
+
+
+def _shim_args(role: str, options: StackOptions) -> list[str]:
+    args = ["shim", "--backend", "synthetic", "--model", options.model, "--role", role,
+            "--host", "127.0.0.1", "--port", "0", "--max-num-seqs", str(options.max_num_seqs),
+            "--log-level", "WARNING"]
+    if options.step_ms is not None:
+        args += ["--synthetic-step-ms", options.step_ms]
+    if options.prefill_tok_s is not None:
+        args += ["--synthetic-prefill-tok-s", str(options.prefill_tok_s)]
+    return args
+
+
+def _engine_tid(service: Service) -> int:
+    for line in service.log_path.read_text(encoding="utf-8").splitlines():
+        if match := _ENGINE_THREAD.search(line):
+            return int(match.group(1))
+    raise RuntimeError(f"{service.name} did not print its engine thread id ({service.log_path})")
+
+
+async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) -> Stack:
+    roles = ROLES[pattern]
+    processes: list[StackProcess] = []
+    engines: list[str] = []
+    for role in roles:
+        name = f"shim-{role}"
+        service = group.start(f"{pattern}-{name}", _shim_args(role, options))
+        await wait_grpc_serving(service.address, options.startup_timeout_s)
+        processes.append(StackProcess(name, service, _engine_tid(service)))
+        engines.append(f"--engine={service.address}={role}")
+    router = group.start(f"{pattern}-router", [
+        "router", *engines, "--pattern", pattern, "--model", options.model,
+        "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
+    ])
+    await wait_grpc_serving(router.address, options.startup_timeout_s)
+    gateway = group.start(f"{pattern}-gateway", [
+        "gateway", "--router", router.address, "--host", "127.0.0.1", "--port", "0",
+        "--log-level", "warning", *options.gateway_args,
+    ])
+    base_url = f"http://{gateway.address}/v1"
+    await wait_http_ready(f"{base_url[:-3]}/health", options.startup_timeout_s)
+    processes = [StackProcess("gateway", gateway), StackProcess("router", router), *processes]
+    return Stack(pattern, base_url, processes)

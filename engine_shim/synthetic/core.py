@@ -1,0 +1,363 @@
+"""BENCHMARK ONLY. SyntheticCore: a stand-in for LLMEngine that computes nothing. It keeps
+LLMEngine's interface (the parts AsyncEngine and EmbeddedBackend call), admits requests up to
+max_num_seqs, holds a count of fake KV pages, and each `step()` emits one token per running
+sequence, taking as long as the GPU profile says a step of that batch takes.
+
+The step's wall time is a sleep (it releases the GIL, as waiting on a GPU does) until the
+step's end on a simulated device clock, so the host work done inside the step (text, deltas)
+overlaps the "device" as it does in the real engine. Device clock: a decode-only step that
+continues the previous one is chained (it starts when the previous step ends, as the real
+engine launches it before collecting its predecessor); any other step starts when step()
+is called or when the previous one ends, whichever is later.
+
+Output goes through the real engine's per-request machinery (engine/request.py: add_token,
+the byte tokenizer's incremental decoder, stop strings, take_delta), so detokenization costs
+what it costs in the real engine. The send/receive half is in transfer.py.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as SequenceT
+from typing import Any, cast
+
+from engine_shim.engine import validation
+from engine_shim.engine.api import (
+    AlreadyExistsError,
+    EngineStatus,
+    FailedPreconditionError,
+    FinishReason,
+    GenerateOutput,
+    InvalidRequestError,
+    KVLayout,
+    PrefixCacheStats,
+    ResourceExhaustedError,
+    SamplingParams,
+)
+from engine_shim.engine.config import MODEL_PRESETS, EngineConfig
+from engine_shim.engine.disaggregation import EngineEvent, SendReady
+from engine_shim.engine.request import Choice, GenerateRequest, add_token, finish_choice, take_delta
+from engine_shim.engine.sequence import SeqKind, SeqStatus, Sequence
+from engine_shim.synthetic.profile import StepProfile
+from engine_shim.synthetic.tokens import TokenStream
+from engine_shim.synthetic.transfer import TransferOps
+from microserving.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_NUM_PAGES = 1 << 16  # pages are only counted, so a large pool costs nothing
+_BLOCKED_WAIT_S = 0.001  # waiting work that cannot be admitted: don't spin
+
+
+class SyntheticCore(TransferOps):
+    """Not thread-safe, like LLMEngine: one caller (AsyncEngine's thread) drives it."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        profile: StepProfile,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        if config.model not in MODEL_PRESETS:
+            raise ValueError(
+                f"the synthetic backend emits byte-level tokens: --model must be a preset "
+                f"{tuple(MODEL_PRESETS)}, not {config.model!r}"
+            )
+        self.config = config
+        self.profile = profile
+        self._clock, self._sleep = clock, sleep
+        self.tokenizer = Tokenizer.from_model(config.model)
+        model = MODEL_PRESETS[config.model]
+        self.model_id = config.model
+        self.vocab_size = model.vocab_size
+        self.max_context_length = min(
+            config.max_context_length or model.max_position_embeddings, model.max_position_embeddings
+        )
+        self.page_size = config.page_size
+        self.num_pages = config.num_pages or DEFAULT_NUM_PAGES
+        self.num_free_pages = self.num_pages
+        self._requests: dict[str, GenerateRequest] = {}
+        self._streams: dict[Choice, TokenStream] = {}
+        self._waiting: deque[Sequence] = deque()  # prompt KV still to compute, in order
+        self._running: list[Sequence] = []  # decode rows
+        self._events: list[EngineEvent] = []
+        self._last_step: tuple[float, float] | None = None  # (called at, ends at) on the clock
+        self._next_seq_id = 0
+        self.num_steps = 0
+        self.engine_thread_id: int | None = None  # native id of the thread that warmed it up
+        TransferOps.__init__(self)
+
+    # ---- facts ----
+    @property
+    def kv_layout(self) -> KVLayout:
+        # One float per token and side: KV chunks stay tiny but travel the real data plane.
+        return KVLayout(
+            model_fingerprint=f"synthetic:{self.model_id}",
+            dtype="float32",
+            num_layers=1,
+            num_kv_heads=1,
+            head_dim=1,
+            page_size=self.page_size,
+        )
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._events or self._running or self._waiting)
+
+    def is_active(self, request_id: str) -> bool:
+        return (
+            request_id in self._requests or request_id in self._sends
+            or request_id in self._reservations
+        )
+
+    def warmup(self) -> None:
+        """Runs on the engine thread: note its native id, so a benchmark can tell the engine
+        thread's CPU time from the serving threads' (/proc/PID/task/TID/stat)."""
+        self.engine_thread_id = threading.get_native_id()
+
+    # ---- generate ----
+    def start_generate(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams
+    ) -> None:
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        b = validation.check_start_generate_begin(begin, len(ids))
+        max_tokens = validation.check_sampling(
+            sampling, self.vocab_size, self.max_context_length, len(ids)
+        )
+        _refuse_unmodelled(sampling)
+        if request_id in self._requests or request_id in self._sends:
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(len(ids) + 1)
+        seq = self._new_seq(request_id, ids, SeqKind.GENERATE)
+        reservation = self._reservations.get(request_id)
+        if reservation is None and b != 0:
+            raise FailedPreconditionError(
+                f"start_generate without prep_recv: begin={b} needs KV that this engine lacks"
+            )
+        if reservation is not None:
+            self._check_reservation_covers(reservation, ids, b)
+            del self._reservations[request_id]
+            seq.block_table = reservation.pages
+            seq.num_computed_tokens = seq.num_cached_tokens = b
+            seq.is_disaggregated = True
+        request = GenerateRequest(
+            request_id=request_id,
+            sampling=sampling,
+            max_tokens=max_tokens,
+            num_prompt_tokens=len(ids),
+            stop_token_ids=frozenset(sampling.stop_token_ids)
+            | (frozenset() if sampling.ignore_eos else frozenset(self.tokenizer.eos_token_ids)),
+            choices=[self._new_choice(0, seq, sampling)],
+        )
+        self._requests[request_id] = request
+        self._waiting.append(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Free everything the request holds; True if it was active."""
+        found = False
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            found = True
+            for choice in request.choices:
+                if not choice.is_finished:
+                    self._drop_seq(choice.seq)
+                    finish_choice(choice, FinishReason.ABORT)
+            self._events.append(self._output(request, finished=True))
+        return self._abort_transfer(request_id) or found
+
+    # ---- the step ----
+    def step(self) -> list[EngineEvent]:
+        called_at = self._clock()
+        self.reap_expired_reservations()
+        decoding = list(self._running)
+        prefilling, num_prefill_tokens = self._admit()
+        batch_size = len(decoding) + len(prefilling)
+        if batch_size == 0:
+            self._last_step = None
+            if self._waiting and not self._events:
+                self._sleep(_BLOCKED_WAIT_S)
+            return self._take_events()
+        ends_at = self._device_start(called_at, is_chained=not prefilling) + self.profile.step_s(
+            batch_size, num_prefill_tokens
+        )
+        touched: dict[str, GenerateRequest] = {}
+        for seq in decoding:
+            self._decode(seq, touched)
+        for seq in prefilling:
+            if seq.num_pending_tokens == 0:
+                self._on_prefilled(seq, touched)
+        for request in touched.values():
+            self._emit(request)
+        self._last_step = (called_at, ends_at)
+        self.num_steps += 1
+        remaining_s = ends_at - self._clock()
+        if remaining_s > 0:
+            self._sleep(remaining_s)
+        return self._take_events()
+
+    def _device_start(self, called_at: float, is_chained: bool) -> float:
+        if self._last_step is None:
+            return called_at
+        last_called_at, last_ends_at = self._last_step
+        if is_chained:  # launched during the previous call, runs right after it
+            return max(last_ends_at, last_called_at)
+        return max(last_ends_at, called_at)
+
+    def _admit(self) -> tuple[list[Sequence], int]:
+        """Sequences whose prompt KV this step computes (in arrival order, within the prefill
+        chunk and max_num_seqs), and how many prompt tokens that is."""
+        budget = self.config.prefill_chunk_size
+        admitted: list[Sequence] = []
+        for seq in self._waiting:
+            if budget == 0 or len(self._running) + len(admitted) >= self.config.max_num_seqs:
+                break
+            if not self._hold_pages(seq, seq.num_tokens):
+                break  # first come, first served: later ones wait too
+            num_tokens = min(seq.num_pending_tokens, budget)
+            seq.num_computed_tokens += num_tokens
+            seq.status = SeqStatus.RUNNING
+            budget -= num_tokens
+            admitted.append(seq)
+        for seq in admitted:
+            if seq.num_pending_tokens == 0:
+                self._waiting.remove(seq)
+        return admitted, self.config.prefill_chunk_size - budget
+
+    def _on_prefilled(self, seq: Sequence, touched: dict[str, GenerateRequest]) -> None:
+        if seq.kind is SeqKind.SEND:
+            seq.status = SeqStatus.PARKED
+            self._sends[seq.request_id].is_ready = True
+            self._events.append(SendReady(seq.request_id))
+            return
+        request = self._requests[seq.request_id]
+        for index in range(1, request.sampling.n):  # n > 1: the other choices fork here
+            child = self._new_seq(seq.request_id, list(seq.token_ids), SeqKind.GENERATE)
+            child.choice_index, child.status = index, SeqStatus.RUNNING
+            child.num_computed_tokens = child.num_cached_tokens = seq.num_computed_tokens
+            child.is_disaggregated = seq.is_disaggregated
+            request.choices.append(self._new_choice(index, child, request.sampling))
+            self._hold_pages(child, child.num_tokens)
+            self._running.append(child)
+        self._running.append(seq)
+        for choice in request.choices:  # the parent first, as LLMEngine samples them
+            self._sample(request, choice, touched)
+
+    def _decode(self, seq: Sequence, touched: dict[str, GenerateRequest]) -> None:
+        request = self._requests.get(seq.request_id)
+        if request is None or seq.is_finished:
+            return
+        self._sample(request, request.choices[seq.choice_index], touched)
+
+    def _sample(self, request: GenerateRequest, choice: Choice, touched: dict[str, GenerateRequest]) -> None:
+        seq = choice.seq
+        touched[request.request_id] = request
+        if not self._hold_pages(seq, seq.num_tokens + 1):
+            self._drop_seq(seq)
+            finish_choice(choice, FinishReason.LENGTH)  # out of KV pages, as LLMEngine does
+            return
+        sampled = self._streams[choice].next()
+        seq.token_ids.append(sampled.token_id)
+        seq.num_computed_tokens = seq.num_tokens - 1  # the new token's KV comes next step
+        add_token(request, choice, sampled, self.tokenizer)
+        if choice.is_finished:
+            self._drop_seq(seq)
+
+    def _emit(self, request: GenerateRequest) -> None:
+        finished = request.is_finished
+        output = self._output(request, finished)
+        if output.deltas or finished:
+            self._events.append(output)
+        if finished:
+            self._requests.pop(request.request_id, None)
+            for choice in request.choices:
+                self._streams.pop(choice, None)
+
+    def _output(self, request: GenerateRequest, finished: bool) -> GenerateOutput:
+        deltas = [take_delta(c, request.sampling.stop) for c in request.choices]
+        return GenerateOutput(
+            request_id=request.request_id,
+            deltas=tuple(d for d in deltas if d is not None),
+            usage=request.usage() if finished else None,
+        )
+
+    def _take_events(self) -> list[EngineEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # ---- pages and sequences ----
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _hold_pages(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow the sequence's (fake) pages to cover `num_tokens`; False if the pool is short."""
+        missing = self._pages_for(num_tokens) - len(seq.block_table)
+        if missing <= 0:
+            return True
+        if missing > self.num_free_pages:
+            return False
+        self.num_free_pages -= missing
+        seq.block_table.extend([0] * missing)  # only the count matters
+        return True
+
+    def _release_pages(self, pages: list[int]) -> None:
+        self.num_free_pages += len(pages)
+        pages.clear()
+
+    def _drop_seq(self, seq: Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+        if seq in self._waiting:
+            self._waiting.remove(seq)
+        self._release_pages(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+
+    def _check_fits_pool(self, num_tokens: int) -> None:
+        if self._pages_for(num_tokens) > self.num_pages:
+            raise ResourceExhaustedError(
+                f"{num_tokens} tokens need more KV pages than the pool holds ({self.num_pages})"
+            )
+
+    def _new_seq(self, request_id: str, ids: list[int], kind: SeqKind) -> Sequence:
+        self._next_seq_id += 1
+        return Sequence(self._next_seq_id, request_id, ids, len(ids), kind)
+
+    def _new_choice(self, index: int, seq: Sequence, sampling: SamplingParams) -> Choice:
+        # No torch generator: the synthetic tokens come from TokenStream.
+        choice = Choice(
+            index=index, seq=seq, generator=cast(Any, None),
+            decoder=self.tokenizer.incremental_decoder(),
+        )
+        self._streams[choice] = TokenStream(seq.token_ids[: seq.num_prompt_tokens], sampling, index)
+        return choice
+
+    # ---- status ----
+    def status(self) -> EngineStatus:
+        running = {s.request_id for s in self._running}
+        waiting = {s.request_id for s in self._waiting} - running
+        return EngineStatus(
+            model_id=self.model_id,
+            model_fingerprint=self.kv_layout.model_fingerprint,
+            kv_layout=self.kv_layout,
+            num_running_requests=len(running),
+            num_waiting_requests=len(waiting),
+            num_free_pages=self.num_free_pages,
+            num_total_pages=self.num_pages,
+            num_reserved_requests=len(self._reservations),
+            max_context_length=self.max_context_length,
+            prefix_cache=PrefixCacheStats(0, 0, 0, 0, 0),
+        )
+
+
+def _refuse_unmodelled(sampling: SamplingParams) -> None:
+    """The synthetic draw ignores temperature, top_p and top_k (it is a fixed function of
+    prompt, seed and choice); options that would change which tokens are legal are refused."""
+    if sampling.logit_bias or sampling.frequency_penalty or sampling.presence_penalty:
+        raise InvalidRequestError(
+            "the synthetic (benchmark-only) backend does not model logit_bias or penalties"
+        )

@@ -1,0 +1,223 @@
+"""BENCHMARK ONLY. The synthetic engine's MicroServing half, mixed into SyntheticCore like
+DisaggregationOps into LLMEngine: prep_recv reserves fake pages, import_kv checks and records
+the tiny KV chunks the real data plane delivers, remote_send computes (on the schedule) the
+prompt window and exports chunks whose values are their positions, so a receiver can check
+that the transfer delivered exactly its window."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence as SequenceT
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from engine_shim.engine import validation
+from engine_shim.engine.api import (
+    AlreadyExistsError,
+    FailedPreconditionError,
+    InvalidRequestError,
+    KVChunk,
+    NotFoundError,
+    PrepRecvResult,
+    RequestAbortedError,
+    ResourceExhaustedError,
+    SamplingParams,
+)
+from engine_shim.engine.config import EngineConfig
+from engine_shim.engine.disaggregation import EngineEvent, SendFailed
+from engine_shim.engine.sequence import SeqKind, Sequence
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+_KV_BYTES_PER_TOKEN = 8  # the synthetic layout: 1 layer x (key, value) x 1 head x 1 float32
+
+
+@dataclass(eq=False)
+class SyntheticReservation:
+    token_ids: list[int]
+    end: int
+    pages: list[int]
+    expires_at: float
+    imported: bytearray = field(default_factory=bytearray)  # 1 per position in [0, end)
+
+
+@dataclass(eq=False)
+class SyntheticSendJob:
+    seq: Sequence
+    begin: int
+    end: int
+    is_ready: bool = False
+
+
+class TransferOps:
+    """prep_recv / import_kv / remote_send / export_kv over SyntheticCore's page count."""
+
+    config: EngineConfig
+    vocab_size: int
+    max_context_length: int
+    num_free_pages: int
+    _waiting: Any  # deque[Sequence], owned by SyntheticCore
+    _events: list[EngineEvent]
+
+    if TYPE_CHECKING:  # provided by SyntheticCore
+
+        def is_active(self, request_id: str) -> bool: ...
+
+        def abort(self, request_id: str) -> bool: ...
+
+        def _check_fits_pool(self, num_tokens: int) -> None: ...
+
+        def _pages_for(self, num_tokens: int) -> int: ...
+
+        def _release_pages(self, pages: list[int]) -> None: ...
+
+        def _drop_seq(self, seq: Sequence) -> None: ...
+
+        def _new_seq(self, request_id: str, ids: list[int], kind: SeqKind) -> Sequence: ...
+
+    def __init__(self) -> None:
+        self._sends: dict[str, SyntheticSendJob] = {}
+        self._reservations: dict[str, SyntheticReservation] = {}
+
+    # ---- receiving ----
+    def prep_recv(
+        self, request_id: str, token_ids: SequenceT[int], end: int,
+        sampling: SamplingParams | None = None,
+    ) -> PrepRecvResult:
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        e = validation.check_prep_recv_end(end, len(ids))
+        if sampling is not None:
+            validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
+        if self.is_active(request_id):
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(len(ids) + 1)
+        num_pages = self._pages_for(e)
+        if num_pages > self.num_free_pages:
+            raise ResourceExhaustedError(f"not enough free KV pages to receive {e} tokens")
+        self.num_free_pages -= num_pages
+        self._reservations[request_id] = SyntheticReservation(
+            token_ids=ids[:e], end=e, pages=[0] * num_pages,
+            expires_at=time.monotonic() + self.config.reservation_ttl_s, imported=bytearray(e),
+        )
+        # No prefix cache: every position is received. One segment of made-up slots.
+        return PrepRecvResult(request_id, e, 0, (1, 0, e) if e else (0,))
+
+    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
+        begin, n = chunk.begin, chunk.num_tokens
+        if n < 1 or begin < 0 or begin + n > reservation.end:
+            raise InvalidRequestError(
+                f"KV chunk [{begin}, {begin + n}) outside the reserved window [0, {reservation.end})"
+            )
+        _check_positions(chunk.data, begin, n)
+        reservation.imported[begin : begin + n] = b"\x01" * n
+
+    def _check_reservation_covers(
+        self, reservation: SyntheticReservation, ids: list[int], begin: int
+    ) -> None:
+        if ids[: reservation.end] != reservation.token_ids:
+            raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
+        if begin > reservation.end:
+            raise FailedPreconditionError(
+                f"begin={begin} is beyond the prep_recv window end={reservation.end}"
+            )
+        if not all(reservation.imported[:begin]):
+            raise FailedPreconditionError(f"KV of positions [0, {begin}) has not been fully imported")
+
+    def next_deadline(self) -> float | None:
+        return min((r.expires_at for r in self._reservations.values()), default=None)
+
+    def reap_expired_reservations(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        expired = [rid for rid, r in self._reservations.items() if r.expires_at <= now]
+        for request_id in expired:
+            logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)
+            self.abort(request_id)
+        return expired
+
+    # ---- sending ----
+    def remote_send(self, request_id: str, token_ids: SequenceT[int], begin: int, end: int) -> None:
+        """Queue the prompt window's "computation" (prefill time on the schedule); a
+        SendReady event says [begin, end) can be exported."""
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        b, e = validation.check_remote_send_window(begin, end, len(ids))
+        if request_id in self._sends or self.is_active(request_id):
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(e)
+        seq = self._new_seq(request_id, ids[:e], SeqKind.SEND)
+        seq.is_disaggregated = True
+        self._sends[request_id] = SyntheticSendJob(seq, b, e)
+        self._waiting.append(seq)
+
+    def export_windows(self, request_id: str) -> list[tuple[int, int]]:
+        job = self._ready_job(request_id)
+        size = self.config.kv_export_chunk_tokens
+        if self.config.kv_export_chunk_bytes is not None:
+            size = max(1, self.config.kv_export_chunk_bytes // _KV_BYTES_PER_TOKEN)
+        return [(p, min(size, job.end - p)) for p in range(job.begin, job.end, size)]
+
+    def export_kv(
+        self, request_id: str, begin: int, num_tokens: int, out: torch.Tensor | None = None
+    ) -> KVChunk:
+        import torch
+
+        job = self._ready_job(request_id)
+        if num_tokens < 1 or begin < job.begin or begin + num_tokens > job.end:
+            raise InvalidRequestError(
+                f"export window [{begin}, {begin + num_tokens}) outside [{job.begin}, {job.end})"
+            )
+        positions = torch.arange(begin, begin + num_tokens, dtype=torch.float32)
+        data = positions.view(1, 1, num_tokens, 1, 1).expand(1, 2, num_tokens, 1, 1)
+        if out is None:
+            return KVChunk(begin, num_tokens, data.contiguous())
+        out.copy_(data)
+        return KVChunk(begin, num_tokens, out)
+
+    def finish_remote_send(self, request_id: str) -> None:
+        job = self._sends.pop(request_id, None)
+        if job is not None:
+            self._drop_seq(job.seq)
+
+    def _ready_job(self, request_id: str) -> SyntheticSendJob:
+        job = self._sends.get(request_id)
+        if job is None:
+            raise NotFoundError(f"no remote_send job for request {request_id!r}")
+        if not job.is_ready:
+            raise FailedPreconditionError(f"remote_send {request_id!r} is still computing")
+        return job
+
+    def _abort_transfer(self, request_id: str) -> bool:
+        found = False
+        job = self._sends.pop(request_id, None)
+        if job is not None:
+            found = True
+            self._drop_seq(job.seq)
+            self._events.append(SendFailed(request_id, RequestAbortedError(f"{request_id!r} aborted")))
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is not None:
+            found = True
+            self._release_pages(reservation.pages)
+        return found
+
+
+def _check_positions(data: object, begin: int, num_tokens: int) -> None:
+    """A synthetic chunk holds its positions: anything else was delivered to the wrong place."""
+    import torch
+
+    expected = (1, 2, num_tokens, 1, 1)
+    if not isinstance(data, torch.Tensor) or tuple(data.shape) != expected:
+        raise InvalidRequestError(f"synthetic KV chunk must be a tensor of shape {expected}")
+    first, last = float(data[0, 0, 0]), float(data[0, 1, -1])
+    if first != begin or last != begin + num_tokens - 1:
+        raise InvalidRequestError(
+            f"synthetic KV chunk holds positions {first:g}..{last:g}, not "
+            f"{begin}..{begin + num_tokens - 1}"
+        )
