@@ -43,6 +43,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-shm", str, "true | false: KV through shared memory between shims of one host"),
     ("--kv-shm-max-mb", int, "shared-memory KV stages a receiving shim keeps at most"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
+    ("--stream-interval-ms", float, "Engine.Generate: least ms between messages after a "
+     "request's first token (several steps per message; default 0: one per step)"),
     ("--max-message-bytes", int, "largest gRPC message in either direction"),
     (
         "--token",

@@ -36,11 +36,15 @@ RunFn = Callable[
 class GenerateMultiplexer:
     """One Engine.Generate stream: per-request tasks in, batched messages out."""
 
-    def __init__(self, run: RunFn) -> None:
+    def __init__(self, run: RunFn, stream_interval_s: float = 0.0) -> None:
+        """`stream_interval_s`: least time between two messages that carry no request's first
+        output (0: a message whenever the writer is free, i.e. one per engine step)."""
         self._run_request = run
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._out: Batcher[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = \
-            Batcher(engine_pb2.EngineGenerateResponse, lambda batch: batch.outputs)
+            Batcher(engine_pb2.EngineGenerateResponse, lambda batch: batch.outputs,
+                    min_interval_s=stream_interval_s)
+        self._has_output: set[str] = set()  # requests whose first output is queued or sent
         self._is_reading = True
 
     async def serve(
@@ -94,7 +98,11 @@ class GenerateMultiplexer:
         self._out.discard(request_id)  # nothing more goes out for a cancelled request
 
     def _on_output(self, request_id: str, output: GenerateOutput) -> None:
-        entry, _ = self._out.keyed(request_id, request_id=request_id)
+        is_first = request_id not in self._has_output
+        if is_first:
+            self._has_output.add(request_id)
+        # A first output is never held back by the stream interval (time to first token).
+        entry, _ = self._out.keyed(request_id, urgent=is_first, request_id=request_id)
         add_generate_output(entry, output)
         if output.is_finished:
             self._out.seal(request_id)  # a later request under the id gets an entry of its own
@@ -113,10 +121,11 @@ class GenerateMultiplexer:
         finally:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
+                self._has_output.discard(request_id)
                 self._close_if_idle()
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
-        entry, _ = self._out.keyed(request_id, request_id=request_id)
+        entry, _ = self._out.keyed(request_id, urgent=True, request_id=request_id)
         entry.error.code = code.value[0]
         entry.error.message = message
         self._out.seal(request_id)

@@ -50,6 +50,7 @@ class ShimServer:
             RequestTracker(settings.reservation_ttl_s),
             role=settings.role,
             max_prompt_tokens=settings.max_prompt_tokens,
+            stream_interval_s=settings.stream_interval_ms / 1e3,
         )
         self._server: aio.Server | None = None
         self._service_names = ["", ENGINE_SERVICE]

@@ -87,6 +87,13 @@ class ShimSettings(BaseSettings):
     max_prompt_tokens: int = Field(
         1_000_000, ge=1, description="Largest prompt (token ids) one call may carry."
     )
+    stream_interval_ms: float = Field(
+        0.0, ge=0.0, le=1000.0,
+        description="Engine.Generate: least time between two messages that carry no "
+        "request's first output; several engine steps' tokens then share one message (less "
+        "CPU on every hop per token, inter-token gaps up to this long). 0: one message per "
+        "engine step.",
+    )
     token: str | None = Field(None, description="Shared bearer token required on every call.")
     tls_cert: str | None = Field(None, description="PEM certificate of this shim (TLS).")
     tls_key: str | None = Field(None, description="PEM key of this shim (TLS).")

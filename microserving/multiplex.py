@@ -9,7 +9,10 @@ gateway's router streams (client end). Two pieces serve all four:
   whenever it is free. A request's first output is never held back (the writer is woken at
   once); only what queues while the writer is busy shares the next message, and an entry of
   the message not yet taken can be merged into (several engine steps' tokens in one delta).
-  One message per writer turn, not one per token.
+  One message per writer turn, not one per token. With a `min_interval_s`, a message that
+  carries nothing urgent (a request's first output is) waits until that long after the
+  previous one, so each message carries several engine steps: the stream interval, a trade of
+  inter-token granularity for CPU on every downstream hop.
 * `MultiplexedCall` (the client end): one reader task hands each entry of each incoming
   message straight to the sink registered for its request id (no task switch and no queue per
   request), and writes are serialized (grpc.aio allows one in flight per call) in tasks of
@@ -48,8 +51,12 @@ class Batcher(Generic[BatchT, EntryT]):
     entries (a protobuf RepeatedCompositeContainer: `add(**fields)`, `remove(entry)`)."""
 
     def __init__(self, new_batch: Callable[[], BatchT],
-                 entries_of: Callable[[BatchT], Any]) -> None:
+                 entries_of: Callable[[BatchT], Any], min_interval_s: float = 0.0) -> None:
         self._new_batch = new_batch
+        self._min_interval_s = min_interval_s
+        self._last_take_s = 0.0
+        self._is_urgent = False
+        self._in_interval = False  # the writer waits for the interval to pass
         self._entries_of = entries_of
         self._batch = new_batch()
         self._entries = entries_of(self._batch)
@@ -70,12 +77,17 @@ class Batcher(Generic[BatchT, EntryT]):
     def add(self, **fields: Any) -> EntryT:
         """A new entry at the end of the message being built."""
         entry: EntryT = self._entries.add(**fields)
-        self._wake()
+        if not self._in_interval:  # the writer waits out the interval whatever comes
+            self._wake()
         return entry
 
-    def keyed(self, key: Hashable, **fields: Any) -> tuple[EntryT, bool]:
+    def keyed(self, key: Hashable, urgent: bool = False, **fields: Any) -> tuple[EntryT, bool]:
         """The entry of `key` in the message being built, added when there is none yet.
-        -> (entry, is_new); the caller merges into an entry that is not new."""
+        -> (entry, is_new); the caller merges into an entry that is not new. `urgent`: the
+        message goes out as soon as the writer is free, whatever the interval."""
+        if urgent and not self._is_urgent:
+            self._is_urgent = True
+            self._wake()
         entry = self._keyed.get(key)
         if entry is not None:
             self.num_merged += 1
@@ -105,21 +117,42 @@ class Batcher(Generic[BatchT, EntryT]):
         self._end = error
         self._wake()
 
+    async def _wait(self, timeout_s: float | None = None) -> None:
+        # One future per wait (cheaper than an asyncio.Event's on the token path).
+        loop = asyncio.get_running_loop()
+        self._waiter = waiter = loop.create_future()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, self._wake)
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+
     async def take(self) -> BatchT | None:
-        """The whole message built so far (waiting for a first entry); None once closed."""
-        while not self._entries:
+        """The whole message built so far (waiting for a first entry, and for the interval
+        when one is set and nothing urgent is queued); None once closed."""
+        while True:
             if isinstance(self._end, BaseException):
                 raise self._end
-            if self._end is not None:
-                return None
-            # One future per wait (cheaper than an asyncio.Event's on the token path).
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
-        if isinstance(self._end, BaseException):
-            raise self._end
+            if not self._entries:
+                if self._end is not None:
+                    return None
+                await self._wait()
+                continue
+            if self._min_interval_s and not self._is_urgent and self._end is None:
+                loop = asyncio.get_running_loop()
+                due_s = self._last_take_s + self._min_interval_s
+                if loop.time() < due_s:
+                    self._in_interval = True
+                    try:
+                        await self._wait(due_s - loop.time())
+                    finally:
+                        self._in_interval = False
+                    continue
+            break
+        self._last_take_s = asyncio.get_running_loop().time() if self._min_interval_s else 0.0
+        self._is_urgent = False
         batch = self._batch
         self._batch = self._new_batch()
         self._entries = self._entries_of(self._batch)

@@ -54,8 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tok-s", type=float, default=DEFAULT_PREFILL_TOK_S)
     p.add_argument("--gateway-workers", type=int,
                    help="passed as the gateway's --workers (when the gateway has it)")
+    p.add_argument("--stream-interval-ms", type=float,
+                   help="passed as every shim's --stream-interval-ms")
     p.add_argument("--router-replicas", type=int,
-                   help="passed as the router's --replicas (when the router has it)")
+                   help="router processes; the gateway spreads requests over them (default 1)")
     p.add_argument("--toy", action="store_true",
                    help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens")
     return p
@@ -74,10 +76,11 @@ def _load_specs(args: argparse.Namespace) -> tuple[list[int], LoadSpec]:
 
 def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
     gateway_args = () if args.gateway_workers is None else ("--workers", str(args.gateway_workers))
-    router_args = () if args.router_replicas is None else ("--replicas", str(args.router_replicas))
     return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
                         max_num_seqs=max(256, max_streams), gateway_args=gateway_args,
-                        router_args=router_args)
+                        router_replicas=args.router_replicas or 1,
+                        shim_args=() if args.stream_interval_ms is None
+                        else ("--stream-interval-ms", str(args.stream_interval_ms)))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -23,8 +23,10 @@ class StackOptions:
     step_ms: str | None = None  # None: the synthetic backend's default profile
     prefill_tok_s: float | None = None
     max_num_seqs: int = 256
-    gateway_args: tuple[str, ...] = ()  # e.g. ("--workers", "2") once the gateway has it
+    gateway_args: tuple[str, ...] = ()  # e.g. ("--workers", "2")
     router_args: tuple[str, ...] = ()
+    router_replicas: int = 1  # router processes, all given to the gateway
+    shim_args: tuple[str, ...] = ()  # e.g. ("--stream-interval-ms", "4")
     startup_timeout_s: float = 120.0
 
 
@@ -59,7 +61,7 @@ def _shim_args(role: str, options: StackOptions) -> list[str]:
         args += ["--synthetic-step-ms", options.step_ms]
     if options.prefill_tok_s is not None:
         args += ["--synthetic-prefill-tok-s", str(options.prefill_tok_s)]
-    return args
+    return [*args, *options.shim_args]
 
 
 def _engine_tid(service: Service) -> int:
@@ -79,16 +81,20 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
         await wait_grpc_serving(service.address, options.startup_timeout_s)
         processes.append(StackProcess(name, service, _engine_tid(service)))
         engines.append(f"--engine={service.address}={role}")
-    router = group.start(f"{pattern}-router", [
+    routers = [group.start(f"{pattern}-router-{i}", [
         "router", *engines, "--pattern", pattern, "--model", options.model,
         "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
-    ])
-    await wait_grpc_serving(router.address, options.startup_timeout_s)
+    ]) for i in range(options.router_replicas)]
+    for router in routers:
+        await wait_grpc_serving(router.address, options.startup_timeout_s)
     gateway = group.start(f"{pattern}-gateway", [
-        "gateway", "--router", router.address, "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "warning", *options.gateway_args,
+        "gateway", "--router", ",".join(r.address for r in routers), "--host", "127.0.0.1",
+        "--port", "0", "--log-level", "warning", *options.gateway_args,
     ])
     base_url = f"http://{gateway.address}/v1"
     await wait_http_ready(f"{base_url[:-3]}/health", options.startup_timeout_s)
-    processes = [StackProcess("gateway", gateway), StackProcess("router", router), *processes]
+    router_names = ["router"] if len(routers) == 1 else [f"router-{i}" for i in range(len(routers))]
+    processes = [StackProcess("gateway", gateway),
+                 *(StackProcess(name, r) for name, r in zip(router_names, routers, strict=True)),
+                 *processes]
     return Stack(pattern, base_url, processes)
