@@ -45,6 +45,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
     ("--stream-interval-ms", float, "Engine.Generate: least ms between messages after a "
      "request's first token (several steps per message; default 0: one per step)"),
+    ("--stream-updates-per-s", float, "Engine.Generate: most request updates a second on "
+     "one stream (messages N running / this apart; default 8000; 0: unbounded)"),
     ("--max-message-bytes", int, "largest gRPC message in either direction"),
     (
         "--token",

@@ -36,11 +36,18 @@ RunFn = Callable[
 class GenerateMultiplexer:
     """One Engine.Generate stream: per-request tasks in, batched messages out."""
 
-    def __init__(self, run: RunFn, stream_interval_s: float = 0.0) -> None:
+    def __init__(self, run: RunFn, stream_interval_s: float = 0.0,
+                 updates_per_s: float = 0.0) -> None:
         """`stream_interval_s`: least time between two messages that carry no request's first
-        output (0: a message whenever the writer is free, i.e. one per engine step)."""
+        output (0: a message whenever the writer is free, i.e. one per engine step).
+        `updates_per_s`: with N requests running, messages are at least N / updates_per_s
+        apart, so the stream carries at most that many request updates a second whatever the
+        concurrency (every hop downstream pays per update: a gRPC entry, an SSE chunk, a
+        socket write); 0: no such bound."""
         self._run_request = run
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._stream_interval_s = stream_interval_s
+        self._updates_per_s = updates_per_s
         self._out: Batcher[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = \
             Batcher(engine_pb2.EngineGenerateResponse, lambda batch: batch.outputs,
                     min_interval_s=stream_interval_s)
@@ -90,6 +97,13 @@ class GenerateMultiplexer:
             return
         task = asyncio.get_running_loop().create_task(self._run(start))
         self._tasks[request_id] = task
+        self._set_interval()
+
+    def _set_interval(self) -> None:
+        interval_s = self._stream_interval_s
+        if self._updates_per_s:
+            interval_s = max(interval_s, len(self._tasks) / self._updates_per_s)
+        self._out.min_interval_s = interval_s
 
     def _cancel(self, request_id: str) -> None:
         task = self._tasks.pop(request_id, None)
@@ -122,6 +136,7 @@ class GenerateMultiplexer:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
                 self._has_output.discard(request_id)
+                self._set_interval()
                 self._close_if_idle()
 
     def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:

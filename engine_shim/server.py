@@ -51,6 +51,7 @@ class ShimServer:
             role=settings.role,
             max_prompt_tokens=settings.max_prompt_tokens,
             stream_interval_s=settings.stream_interval_ms / 1e3,
+            stream_updates_per_s=settings.stream_updates_per_s,
         )
         self._server: aio.Server | None = None
         self._service_names = ["", ENGINE_SERVICE]

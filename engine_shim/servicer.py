@@ -25,10 +25,11 @@ from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 class EngineServicer(engine_pb2_grpc.EngineServicer):
     def __init__(
         self, backend: Backend, tracker: RequestTracker, *, role: str, max_prompt_tokens: int,
-        stream_interval_s: float = 0.0,
+        stream_interval_s: float = 0.0, stream_updates_per_s: float = 0.0,
     ) -> None:
         self._backend = backend
         self._stream_interval_s = stream_interval_s
+        self._stream_updates_per_s = stream_updates_per_s
         self._tracker = tracker
         self._role = role
         self._max_prompt_tokens = max_prompt_tokens
@@ -115,7 +116,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         request_iterator: AsyncIterator[engine_pb2.EngineGenerateRequest],
         context: aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
-        multiplexer = GenerateMultiplexer(self._run_generate, self._stream_interval_s)
+        multiplexer = GenerateMultiplexer(
+            self._run_generate, self._stream_interval_s, self._stream_updates_per_s)
         async for batch in multiplexer.serve(request_iterator):
             yield batch
 

@@ -94,6 +94,13 @@ class ShimSettings(BaseSettings):
         "CPU on every hop per token, inter-token gaps up to this long). 0: one message per "
         "engine step.",
     )
+    stream_updates_per_s: float = Field(
+        8000.0, ge=0.0,
+        description="Engine.Generate: at most this many request updates a second on one "
+        "stream; with N requests running, messages are at least N / this apart (64 running: "
+        "8 ms at the default), so every hop downstream pays per update, not per token, when "
+        "concurrency is high. A request's first output is never held. 0: no bound.",
+    )
     token: str | None = Field(None, description="Shared bearer token required on every call.")
     tls_cert: str | None = Field(None, description="PEM certificate of this shim (TLS).")
     tls_key: str | None = Field(None, description="PEM key of this shim (TLS).")

@@ -53,7 +53,7 @@ class Batcher(Generic[BatchT, EntryT]):
     def __init__(self, new_batch: Callable[[], BatchT],
                  entries_of: Callable[[BatchT], Any], min_interval_s: float = 0.0) -> None:
         self._new_batch = new_batch
-        self._min_interval_s = min_interval_s
+        self.min_interval_s = min_interval_s  # may change while the stream runs
         self._last_take_s = 0.0
         self._is_urgent = False
         self._in_interval = False  # the writer waits for the interval to pass
@@ -140,9 +140,9 @@ class Batcher(Generic[BatchT, EntryT]):
                     return None
                 await self._wait()
                 continue
-            if self._min_interval_s and not self._is_urgent and self._end is None:
+            if self.min_interval_s and not self._is_urgent and self._end is None:
                 loop = asyncio.get_running_loop()
-                due_s = self._last_take_s + self._min_interval_s
+                due_s = self._last_take_s + self.min_interval_s
                 if loop.time() < due_s:
                     self._in_interval = True
                     try:
@@ -151,7 +151,7 @@ class Batcher(Generic[BatchT, EntryT]):
                         self._in_interval = False
                     continue
             break
-        self._last_take_s = asyncio.get_running_loop().time() if self._min_interval_s else 0.0
+        self._last_take_s = asyncio.get_running_loop().time() if self.min_interval_s else 0.0
         self._is_urgent = False
         batch = self._batch
         self._batch = self._new_batch()

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="passed as the gateway's --workers (when the gateway has it)")
     p.add_argument("--stream-interval-ms", type=float,
                    help="passed as every shim's --stream-interval-ms")
+    p.add_argument("--shim-arg", action="append", default=[],
+                   help="extra argument for every shim, e.g. --shim-arg=--stream-updates-per-s=0")
     p.add_argument("--router-replicas", type=int,
                    help="router processes; the gateway spreads requests over them (default 1)")
     p.add_argument("--toy", action="store_true",
@@ -79,8 +81,9 @@ def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
     return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
                         max_num_seqs=max(256, max_streams), gateway_args=gateway_args,
                         router_replicas=args.router_replicas or 1,
-                        shim_args=() if args.stream_interval_ms is None
-                        else ("--stream-interval-ms", str(args.stream_interval_ms)))
+                        shim_args=(*args.shim_arg, *(
+                            () if args.stream_interval_ms is None
+                            else ("--stream-interval-ms", str(args.stream_interval_ms)))))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
