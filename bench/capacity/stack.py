@@ -4,6 +4,7 @@ each, read from /proc (a service's whole process group; a shim's engine thread a
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 
@@ -71,13 +72,16 @@ def _engine_tid(service: Service) -> int:
 
 async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) -> Stack:
     roles = ROLES[pattern]
+    # The shims load side by side (each prints its address once its engine runs).
+    shims = await asyncio.gather(*(
+        asyncio.to_thread(group.start, f"{pattern}-shim-{role}", _shim_args(role, options))
+        for role in roles
+    ))
     processes: list[StackProcess] = []
     engines: list[str] = []
-    for role in roles:
-        name = f"shim-{role}"
-        service = group.start(f"{pattern}-{name}", _shim_args(role, options))
+    for role, service in zip(roles, shims, strict=True):
         await wait_grpc_serving(service.address, options.startup_timeout_s)
-        processes.append(StackProcess(name, service, _engine_tid(service)))
+        processes.append(StackProcess(f"shim-{role}", service, _engine_tid(service)))
         engines.append(f"--engine={service.address}={role}")
     router = group.start(f"{pattern}-router", [
         "router", *engines, "--pattern", pattern, "--model", options.model,

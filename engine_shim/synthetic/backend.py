@@ -6,6 +6,7 @@ SyntheticCore in place of the torch engine, so any change to that path shows up 
 from __future__ import annotations
 
 import logging
+import sys
 from typing import TYPE_CHECKING, cast
 
 from engine_shim.embedded import EmbeddedBackend
@@ -46,4 +47,5 @@ class SyntheticBackend(EmbeddedBackend):
         await super().start(advertise_address)
         core = cast(SyntheticCore, self.engine.core)
         logger.warning("synthetic backend (benchmark only): %s", self.profile.describe())
-        print(ENGINE_THREAD_LINE.format(tid=core.engine_thread_id), flush=True)
+        # stderr: stdout carries only the `listening on` line that launchers wait for.
+        print(ENGINE_THREAD_LINE.format(tid=core.engine_thread_id), file=sys.stderr, flush=True)
