@@ -24,7 +24,8 @@ class StackOptions:
     step_ms: str | None = None  # None: the synthetic backend's default profile
     prefill_tok_s: float | None = None
     max_num_seqs: int = 256
-    gateway_args: tuple[str, ...] = ()  # e.g. ("--workers", "2") once the gateway has it
+    gateway_workers: int = 1  # the gateway's --workers (its processes share its group)
+    router_replicas: int = 1  # router processes, all given to the gateway's --router
     router_args: tuple[str, ...] = ()
     startup_timeout_s: float = 120.0
 
@@ -83,16 +84,25 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
         await wait_grpc_serving(service.address, options.startup_timeout_s)
         processes.append(StackProcess(f"shim-{role}", service, _engine_tid(service)))
         engines.append(f"--engine={service.address}={role}")
-    router = group.start(f"{pattern}-router", [
-        "router", *engines, "--pattern", pattern, "--model", options.model,
-        "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
-    ])
-    await wait_grpc_serving(router.address, options.startup_timeout_s)
+    router_names = (["router"] if options.router_replicas == 1
+                    else [f"router-{i}" for i in range(options.router_replicas)])
+    routers = await asyncio.gather(*(
+        asyncio.to_thread(group.start, f"{pattern}-{name}", [
+            "router", *engines, "--pattern", pattern, "--model", options.model,
+            "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
+        ])
+        for name in router_names
+    ))
+    for router in routers:
+        await wait_grpc_serving(router.address, options.startup_timeout_s)
+    workers = [] if options.gateway_workers == 1 else ["--workers", str(options.gateway_workers)]
     gateway = group.start(f"{pattern}-gateway", [
-        "gateway", "--router", router.address, "--host", "127.0.0.1", "--port", "0",
-        "--log-level", "warning", *options.gateway_args,
+        "gateway", "--router", ",".join(r.address for r in routers), "--host", "127.0.0.1",
+        "--port", "0", "--log-level", "warning", *workers,
     ])
     base_url = f"http://{gateway.address}/v1"
     await wait_http_ready(f"{base_url[:-3]}/health", options.startup_timeout_s)
-    processes = [StackProcess("gateway", gateway), StackProcess("router", router), *processes]
+    processes = [StackProcess("gateway", gateway),
+                 *(StackProcess(n, r) for n, r in zip(router_names, routers, strict=True)),
+                 *processes]
     return Stack(pattern, base_url, processes)
