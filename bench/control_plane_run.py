@@ -105,7 +105,7 @@ async def wait_http_ready(url: str, timeout_s: float) -> None:
                 async with session.get(url, timeout=aiohttp.ClientTimeout(total=2)) as reply:
                     if reply.status == 200:
                         return
-            except aiohttp.ClientError:
+            except (aiohttp.ClientError, TimeoutError):  # not up yet (workers still starting)
                 pass
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{url} not ready after {timeout_s:.0f} s")

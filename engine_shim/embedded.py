@@ -5,6 +5,7 @@ into engine_shim.engine goes through this file."""
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from engine_shim.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
+
+# Printed once the engine thread runs, for tools that tell the engine's own CPU time apart
+# from the shim's serving work in /proc (`microserving bench capacity`).
+ENGINE_THREAD_LINE = "microserving shim engine thread native id {tid}"
 
 
 def engine_config(settings: ShimSettings) -> EngineConfig:
@@ -106,6 +111,8 @@ class EmbeddedBackend:
             max_context_length=engine.max_context_length,
             kv_layout=engine.kv_layout,
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
+        # stderr: stdout carries only the `listening on` line that launchers wait for.
+        print(ENGINE_THREAD_LINE.format(tid=engine.thread_native_id), file=sys.stderr, flush=True)
 
     async def shutdown(self) -> None:
         try:

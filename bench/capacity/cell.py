@@ -3,6 +3,7 @@ edges, and the figures derived from them."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,8 @@ def cell_figures(
             engine_threads[name] = _per_1k(engine_s, num_tokens)
         cores[name] = (cpu_after - cpu_before) / window_s
     client_tok_s = num_tokens / window_s
+    machine_cores = (closed.machine_busy_s - opened.machine_busy_s) / window_s
+    client_cores = (closed.client_cpu_s - opened.client_cpu_s) / window_s
     finished = [r.completion_tokens or 0 for r in records if r.finish_reason is not None]
     ttft_p50_s = percentile(ttfts, 50) if ttfts else None
     return {
@@ -81,7 +84,10 @@ def cell_figures(
         "engine_thread_ms_per_1k_tokens": engine_threads,
         "cpu_cores": cores,
         "client_cpu_ms_per_1k_tokens": _per_1k(closed.client_cpu_s - opened.client_cpu_s, num_tokens),
-        "machine_busy_cores": (closed.machine_busy_s - opened.machine_busy_s) / window_s,
+        "machine_busy_cores": machine_cores,
+        # Busy cores that were neither the stack nor the client: other work on the machine.
+        "other_busy_cores": machine_cores - sum(cores.values()) - client_cores,
+        "load_avg_1m": os.getloadavg()[0],
         "window_s": window_s,
         "num_tokens": num_tokens,
         "num_requests_started": len(records),

@@ -52,14 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS,
                    help="synthetic decode step ms by batch (default: llama-1b on one H200)")
     p.add_argument("--prefill-tok-s", type=float, default=DEFAULT_PREFILL_TOK_S)
-    p.add_argument("--gateway-workers", type=int,
-                   help="passed as the gateway's --workers (when the gateway has it)")
-    p.add_argument("--stream-interval-ms", type=float,
-                   help="passed as every shim's --stream-interval-ms")
+    p.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
+    p.add_argument("--router-replicas", type=int, default=1,
+                   help="router processes over the same engines, all given to the gateway")
     p.add_argument("--shim-arg", action="append", default=[],
                    help="extra argument for every shim, e.g. --shim-arg=--stream-updates-per-s=0")
-    p.add_argument("--router-replicas", type=int,
-                   help="router processes; the gateway spreads requests over them (default 1)")
     p.add_argument("--toy", action="store_true",
                    help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens")
     return p
@@ -77,13 +74,9 @@ def _load_specs(args: argparse.Namespace) -> tuple[list[int], LoadSpec]:
 
 
 def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
-    gateway_args = () if args.gateway_workers is None else ("--workers", str(args.gateway_workers))
     return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
-                        max_num_seqs=max(256, max_streams), gateway_args=gateway_args,
-                        router_replicas=args.router_replicas or 1,
-                        shim_args=(*args.shim_arg, *(
-                            () if args.stream_interval_ms is None
-                            else ("--stream-interval-ms", str(args.stream_interval_ms)))))
+                        max_num_seqs=max(256, max_streams), gateway_workers=args.gateway_workers,
+                        router_replicas=args.router_replicas, shim_args=tuple(args.shim_arg))
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,13 +120,15 @@ def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.rounds < 1 or min(args.streams) < 1 or args.input_len < 2 or args.output_len < 1:
-        parser.error("--rounds, --streams and --output-len must be >= 1, --input-len >= 2")
+    if (min(args.rounds, args.gateway_workers, args.router_replicas, *args.streams, args.output_len)
+            < 1 or args.input_len < 2):
+        parser.error("--rounds, --streams, --output-len, --gateway-workers and --router-replicas "
+                     "must be >= 1, --input-len >= 2")
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         result = asyncio.run(run(args))
     except (RuntimeError, TimeoutError, ValueError) as error:
-        print(f"microserving bench capacity: {error}", file=sys.stderr)
+        print(f"microserving bench capacity: {type(error).__name__}: {error}", file=sys.stderr)
         return 1
     path = args.out / "capacity.json"
     path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")

@@ -48,10 +48,10 @@ def _fmt(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
-def _routers(cpu: dict[str, float | None]) -> float | None:
-    """Every router replica's CPU together ("router", or "router-0", "router-1", ...)."""
-    values = [v for name, v in cpu.items() if name.startswith("router") and v is not None]
-    return sum(values) if values else None
+def _role_sum(cpu: dict[str, float | None], role: str) -> float | None:
+    """A role's processes added (router-0, router-1, ... when there are replicas)."""
+    values = [v for k, v in cpu.items() if k == role or k.startswith(f"{role}-")]
+    return None if not values or None in values else sum(v or 0.0 for v in values)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -70,7 +70,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                                          else f" ({spread[0]:.2f}-{spread[1]:.2f})")
         cells = [r["pattern"], str(r["streams"]), _fmt(r["nominal_tok_s"]), _fmt(r["client_tok_s"]),
                  ratio, _fmt(r["ttft_added_p50_ms"], 2), _fmt(r["itl_p99_ms"], 2),
-                 _fmt(cpu.get("gateway"), 1), _fmt(_routers(cpu), 1),
+                 _fmt(_role_sum(cpu, "gateway"), 1), _fmt(_role_sum(cpu, "router"), 1),
                  *(_fmt(cpu.get(n), 1) for n in shim_names), _fmt(cpu["total"], 1),
                  _fmt(engine, 1), _fmt(r["client_cpu_ms_per_1k_tokens"], 1),
                  _fmt(r["machine_busy_cores"], 2)]

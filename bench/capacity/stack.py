@@ -4,6 +4,7 @@ each, read from /proc (a service's whole process group; a shim's engine thread a
 
 from __future__ import annotations
 
+import asyncio
 import re
 from dataclasses import dataclass, field
 
@@ -23,11 +24,13 @@ class StackOptions:
     step_ms: str | None = None  # None: the synthetic backend's default profile
     prefill_tok_s: float | None = None
     max_num_seqs: int = 256
-    gateway_args: tuple[str, ...] = ()  # e.g. ("--workers", "2")
+    gateway_workers: int = 1  # the gateway's --workers (its processes share its group)
+    router_replicas: int = 1  # router processes, all given to the gateway's --router
     router_args: tuple[str, ...] = ()
-    router_replicas: int = 1  # router processes, all given to the gateway
-    shim_args: tuple[str, ...] = ()  # e.g. ("--stream-interval-ms", "4")
     startup_timeout_s: float = 120.0
+    backend: str = "synthetic"  # or "embedded": the real engine (e.g. on a GPU)
+    device: str = "cpu"
+    shim_args: tuple[str, ...] = ()  # e.g. ("--stream-updates-per-s", "0")
 
 
 @dataclass
@@ -54,12 +57,12 @@ class Stack:
 
 
 def _shim_args(role: str, options: StackOptions) -> list[str]:
-    args = ["shim", "--backend", "synthetic", "--model", options.model, "--role", role,
+    args = ["shim", "--backend", options.backend, "--model", options.model, "--role", role,
             "--host", "127.0.0.1", "--port", "0", "--max-num-seqs", str(options.max_num_seqs),
-            "--log-level", "WARNING"]
-    if options.step_ms is not None:
+            "--device", options.device, "--log-level", "WARNING"]
+    if options.backend == "synthetic" and options.step_ms is not None:
         args += ["--synthetic-step-ms", options.step_ms]
-    if options.prefill_tok_s is not None:
+    if options.backend == "synthetic" and options.prefill_tok_s is not None:
         args += ["--synthetic-prefill-tok-s", str(options.prefill_tok_s)]
     return [*args, *options.shim_args]
 
@@ -73,28 +76,36 @@ def _engine_tid(service: Service) -> int:
 
 async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) -> Stack:
     roles = ROLES[pattern]
+    # The shims load side by side (each prints its address once its engine runs).
+    shims = await asyncio.gather(*(
+        asyncio.to_thread(group.start, f"{pattern}-shim-{role}", _shim_args(role, options))
+        for role in roles
+    ))
     processes: list[StackProcess] = []
     engines: list[str] = []
-    for role in roles:
-        name = f"shim-{role}"
-        service = group.start(f"{pattern}-{name}", _shim_args(role, options))
+    for role, service in zip(roles, shims, strict=True):
         await wait_grpc_serving(service.address, options.startup_timeout_s)
-        processes.append(StackProcess(name, service, _engine_tid(service)))
+        processes.append(StackProcess(f"shim-{role}", service, _engine_tid(service)))
         engines.append(f"--engine={service.address}={role}")
-    routers = [group.start(f"{pattern}-router-{i}", [
-        "router", *engines, "--pattern", pattern, "--model", options.model,
-        "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
-    ]) for i in range(options.router_replicas)]
+    router_names = (["router"] if options.router_replicas == 1
+                    else [f"router-{i}" for i in range(options.router_replicas)])
+    routers = await asyncio.gather(*(
+        asyncio.to_thread(group.start, f"{pattern}-{name}", [
+            "router", *engines, "--pattern", pattern, "--model", options.model,
+            "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
+        ])
+        for name in router_names
+    ))
     for router in routers:
         await wait_grpc_serving(router.address, options.startup_timeout_s)
+    workers = [] if options.gateway_workers == 1 else ["--workers", str(options.gateway_workers)]
     gateway = group.start(f"{pattern}-gateway", [
         "gateway", "--router", ",".join(r.address for r in routers), "--host", "127.0.0.1",
-        "--port", "0", "--log-level", "warning", *options.gateway_args,
+        "--port", "0", "--log-level", "warning", *workers,
     ])
     base_url = f"http://{gateway.address}/v1"
     await wait_http_ready(f"{base_url[:-3]}/health", options.startup_timeout_s)
-    router_names = ["router"] if len(routers) == 1 else [f"router-{i}" for i in range(len(routers))]
     processes = [StackProcess("gateway", gateway),
-                 *(StackProcess(name, r) for name, r in zip(router_names, routers, strict=True)),
+                 *(StackProcess(n, r) for n, r in zip(router_names, routers, strict=True)),
                  *processes]
     return Stack(pattern, base_url, processes)

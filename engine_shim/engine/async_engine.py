@@ -120,6 +120,11 @@ class AsyncEngine:
 
     # ---- facts (valid after start) ----
     @property
+    def thread_native_id(self) -> int | None:
+        """The engine thread's id in the OS (/proc/PID/task/ID), once started."""
+        return None if self._thread is None else self._thread.native_id
+
+    @property
     def core(self) -> LLMEngine:
         if self._core is None:
             raise UnavailableError("engine not started")

@@ -21,8 +21,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# The line `microserving bench capacity` reads to find the engine thread in /proc.
-ENGINE_THREAD_LINE = "microserving shim engine thread native id {tid}"
 
 
 def profile_from(settings: ShimSettings) -> StepProfile:
@@ -44,6 +42,4 @@ class SyntheticBackend(EmbeddedBackend):
 
     async def start(self, advertise_address: str) -> None:
         await super().start(advertise_address)
-        core = cast(SyntheticCore, self.engine.core)
         logger.warning("synthetic backend (benchmark only): %s", self.profile.describe())
-        print(ENGINE_THREAD_LINE.format(tid=core.engine_thread_id), flush=True)

@@ -1,0 +1,47 @@
+"""`microserving bench capacity --toy` end to end: real gateway, router and synthetic shims for
+both patterns; every row is present with every token counted, a ratio that the schedule
+bounds, and CPU figures for each control-plane process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+TOY_REQUESTS, TOY_OUTPUT_LEN, TOY_STREAMS = 8, 16, (1, 4)
+
+pytestmark = pytest.mark.e2e
+
+
+def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| round-robin | 4 |" in done.stdout and "| disagg | 1 |" in done.stdout
+    report = json.loads((tmp_path / "capacity.json").read_text())
+    rows = {(r["pattern"], r["streams"]): r for r in report["rows"]}
+    assert set(rows) == {(p, s) for p in ("round-robin", "disagg") for s in TOY_STREAMS}
+    for (pattern, _), row in rows.items():
+        assert row["num_errors"] == 0, row["errors"]
+        assert row["num_requests_finished"] == TOY_REQUESTS
+        assert row["num_tokens"] == TOY_REQUESTS * TOY_OUTPUT_LEN
+        assert row["completion_tokens_min"] == row["completion_tokens_max"] == TOY_OUTPUT_LEN
+        # The synthetic engines never run faster than their schedule.
+        assert 0 < row["ratio"] <= 1.05
+        assert row["client_tok_s"] == pytest.approx(row["ratio"] * row["nominal_tok_s"])
+        assert math.isfinite(row["ttft_added_p50_ms"]) and row["itl_p99_ms"] > 0
+        shims = {"round-robin": {"shim-both"}, "disagg": {"shim-prefill", "shim-decode"}}[pattern]
+        cpu = row["cpu_ms_per_1k_tokens"]
+        assert set(cpu) == {"gateway", "router", "total", *shims}
+        assert set(row["engine_thread_ms_per_1k_tokens"]) == shims
+        assert all(v >= 0 for v in cpu.values()) and cpu["total"] > 0
+        assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"))
