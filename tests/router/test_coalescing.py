@@ -6,6 +6,7 @@ gateway's own router client and relay on the consuming side."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -54,7 +55,9 @@ async def _receive(client: RouterClient, request: router_pb2.NewRequest, n: int,
                 received.logprob_ids.setdefault(index, []).extend(lp.token_id for lp in event.logprobs)
                 received.finish[index] = event.finish_reason
             if lag_s and received.num_batches == 1:
-                time.sleep(lag_s)  # the whole event loop stalls, as a busy gateway's would
+                # This request's task falls behind (as behind a slow HTTP client) while the
+                # stream's reader keeps delivering into its inbox.
+                await asyncio.sleep(lag_s)
     return received
 
 
