@@ -3,7 +3,9 @@
 # the gpu-marked tests, the engine-vs-transformers benchmark, the KV-transfer benchmark on the
 # GPU, and the whole stack (`microserving up --device cuda`) under `microserving bench` for
 # round-robin and disagg with both engines on the one GPU. Results go to $OUT (default
-# gpu_results/). Set GPU_STEPS to a subset, e.g. GPU_STEPS="tests bench".
+# gpu_results/). Set GPU_STEPS to a subset, e.g. GPU_STEPS="tests bench"; `capacity` (the
+# engine alone against the whole stack, issue 16) and `capacity-cpu2` (the CPU capacity
+# benchmark on two cores) run only when named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_results}"
@@ -31,6 +33,23 @@ for step in $steps; do
         --patterns ${GPU_PATTERNS:-round-robin disagg} --rates ${GPU_RATES:-4 8 16} \
         --duration-s ${GPU_DURATION_S:-12} --min-prompts 16 --input-len 1000 --output-len 100 \
         --up-arg=--device=cuda --out "$out/stack" 2>&1 | tail -30 | tee "$out/stack.log" ;;
+    capacity)
+      # Issue 16: the engine alone in-process against the whole stack (gateway workers, router
+      # replicas, shims) on the same closed-loop workload, round-robin (one engine) and disagg
+      # (1P:1D on the one GPU), with each process's CPU.
+      MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" timeout "${GPU_CAPACITY_TIMEOUT_S:-540}" \
+        "$python" -m microserving.cli bench capacity --backend embedded --model llama-1b \
+        --device cuda --streams ${GPU_STREAMS:-1 32 64 128} --input-len 256 --output-len 256 \
+        --requests-per-stream "${GPU_REQUESTS_PER_STREAM:-6}" --rounds "${GPU_ROUNDS:-3}" \
+        --gateway-workers "${GPU_GATEWAY_WORKERS:-4}" --router-replicas "${GPU_ROUTER_REPLICAS:-2}" \
+        ${GPU_CAPACITY_ARGS:-} --out "$out/capacity" 2>&1 | tee "$out/capacity.log" | tail -16 ;;
+    capacity-cpu2)
+      # The CPU capacity benchmark (synthetic engines) on two of this host's cores, the size
+      # of the development machine, with nothing else running.
+      timeout "${CPU2_TIMEOUT_S:-420}" taskset -c 0,1 "$python" -m microserving.cli bench capacity \
+        --streams ${CPU2_STREAMS:-1 32 64 128} --rounds "${CPU2_ROUNDS:-3}" \
+        --duration-s "${CPU2_DURATION_S:-6}" --warmup-s 2 ${CPU2_ARGS:-} \
+        --out "$out/capacity_cpu2" 2>&1 | tee "$out/capacity_cpu2.log" | tail -12 ;;
   esac
 done
 echo "== done at $(date +%T)" | tee -a "$out/steps.txt"

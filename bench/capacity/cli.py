@@ -24,6 +24,7 @@ from typing import Any
 
 from bench.capacity.cell import measure_cell
 from bench.capacity.client import LoadSpec
+from bench.capacity.engine_alone import AloneResult, EngineAlone
 from bench.capacity.nominal import nominal
 from bench.capacity.report import fold_rounds, table
 from bench.capacity.stack import ROLES, StackOptions, start_stack
@@ -47,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--duration-s", type=float, help="measured window per cell (default 10)")
     load.add_argument("--requests", type=int,
                       help="requests per cell instead of a window: every token counts")
+    load.add_argument("--requests-per-stream", type=int,
+                      help="like --requests, streams x this many requests per cell")
     p.add_argument("--warmup-s", type=float, default=3.0, help="timed cells: load before the window")
     p.add_argument("--rounds", type=int, default=1, help="rounds per cell (median and spread)")
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS,
@@ -55,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     p.add_argument("--router-replicas", type=int, default=1,
                    help="router processes over the same engines, all given to the gateway")
+    p.add_argument("--backend", choices=["synthetic", "embedded"], default="synthetic",
+                   help="the shims' engine: the synthetic schedule (default) or the real embedded "
+                        "engine, then measured against itself alone in-process (needs --requests or "
+                        "--requests-per-stream)")
+    p.add_argument("--model", default="tiny", help="embedded backend: model preset or directory")
+    p.add_argument("--device", default="cpu", help="embedded backend: cpu, cuda or cuda:N")
     p.add_argument("--shim-arg", action="append", default=[],
                    help="extra argument for every shim, e.g. --shim-arg=--stream-updates-per-s=0")
     p.add_argument("--toy", action="store_true",
@@ -66,23 +75,59 @@ def _load_specs(args: argparse.Namespace) -> tuple[list[int], LoadSpec]:
     if args.toy:
         args.streams, args.input_len, args.output_len = [1, 4], 32, 16
         args.requests = args.requests or 8
-    spec = LoadSpec(base_url="", model="tiny", streams=1, input_len=args.input_len,
-                    output_len=args.output_len)
+    spec = LoadSpec(base_url="", model=args.model, streams=1, input_len=args.input_len,
+                    output_len=args.output_len, count_usage=args.backend != "synthetic")
     if args.requests is not None:
         return args.streams, replace(spec, num_requests=args.requests)
+    if args.requests_per_stream is not None:
+        return args.streams, replace(spec, num_requests=args.requests_per_stream)
     return args.streams, replace(spec, warmup_s=args.warmup_s, duration_s=args.duration_s or 10.0)
 
 
 def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
     return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
                         max_num_seqs=max(256, max_streams), gateway_workers=args.gateway_workers,
-                        router_replicas=args.router_replicas, shim_args=tuple(args.shim_arg))
+                        router_replicas=args.router_replicas, shim_args=tuple(args.shim_arg),
+                        backend=args.backend, model=args.model, device=args.device,
+                        startup_timeout_s=600.0 if args.backend != "synthetic" else 120.0)
+
+
+def _num_requests(args: argparse.Namespace, spec: LoadSpec, streams: int) -> int | None:
+    """A cell's request count (None: a timed cell)."""
+    if args.requests_per_stream is not None:
+        return args.requests_per_stream * streams
+    return spec.num_requests
+
+
+def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadSpec,
+                  max_num_seqs: int) -> dict[int, AloneResult]:
+    """The real engine alone in this process, each stream count on the same workload, before
+    any shim takes the device."""
+    alone = EngineAlone(args.model, args.device, max_num_seqs, {})
+    try:
+        results = {}
+        for streams in streams_list:
+            runs = []
+            for round_index in range(args.rounds):
+                result = alone.run(streams, spec.input_len, spec.output_len,
+                                   _num_requests(args, spec, streams) or 8 * streams,
+                                   seed=round_index * 1000 + streams)
+                print(f"  engine alone streams {streams:>4} round {round_index}: "
+                      f"{result.tok_s:,.0f} tok/s, TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms",
+                      file=sys.stderr, flush=True)
+                runs.append(result)
+            results[streams] = sorted(runs, key=lambda r: r.tok_s)[len(runs) // 2]  # median
+        return results
+    finally:
+        alone.close()
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = StepProfile.parse(args.step_ms, args.prefill_tok_s)
     streams_list, base_spec = _load_specs(args)
     options = _stack_options(args, max(streams_list))
+    alone = None if args.backend == "synthetic" else \
+        _engine_alone(args, streams_list, base_spec, options.max_num_seqs)
     rows: list[dict[str, Any]] = []
     with service_group(args.out / "logs") as group:
         for pattern in args.patterns:
@@ -91,8 +136,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for round_index in range(args.rounds):
                 for streams in streams_list:
                     spec = replace(base_spec, base_url=stack.base_url, streams=streams,
-                                   seed=round_index * 1000 + streams)
-                    schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len)
+                                   seed=round_index * 1000 + streams,
+                                   num_requests=_num_requests(args, base_spec, streams))
+                    schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
+                        if alone is None else alone[streams].as_nominal()
                     cell = await measure_cell(stack, spec, schedule)
                     rounds[streams].append(cell)
                     _progress(pattern, streams, round_index, cell)
@@ -107,6 +154,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "profile": {"step_ms": args.step_ms, "prefill_tok_s": args.prefill_tok_s},
         "machine": machine_info(["microserving", "bench", "capacity", *sys.argv[2:]]),
         "rows": rows,
+        "engine_alone": None if alone is None else [asdict(r) for r in alone.values()],
     }
 
 
@@ -124,6 +172,9 @@ def main(argv: list[str]) -> int:
             < 1 or args.input_len < 2):
         parser.error("--rounds, --streams, --output-len, --gateway-workers and --router-replicas "
                      "must be >= 1, --input-len >= 2")
+    if args.backend != "synthetic" and args.requests is None and args.requests_per_stream is None:
+        parser.error("--backend embedded counts tokens from usage: give --requests or "
+                     "--requests-per-stream")
     args.out.mkdir(parents=True, exist_ok=True)
     try:
         result = asyncio.run(run(args))

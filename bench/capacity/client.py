@@ -33,6 +33,9 @@ class LoadSpec:
     duration_s: float | None = None
     seed: int = 0
     timeout_s: float = 600.0
+    # Count a request's tokens from its usage (a real engine's tokens need not be one
+    # character each); needs a fixed request count, every request finishing.
+    count_usage: bool = False
 
 
 @dataclass
@@ -89,6 +92,8 @@ async def _one(
                 continue
             data = line[5:].strip()
             if data == b"[DONE]":
+                if spec.count_usage:
+                    record.num_tokens_in_window = record.completion_tokens or 0
                 return
             now_s = time.perf_counter() - origin_s
             _on_chunk(json.loads(data), record, now_s, window)

@@ -1,0 +1,97 @@
+"""The engine alone, in-process: the yardstick of `microserving bench capacity --backend embedded`.
+
+The same workload the stack gets (S closed-loop streams, prompts of `input_len` token ids,
+`output_len` tokens each with ignore_eos at temperature 0, a new request as soon as one ends,
+so prefills interleave with decode as in serving), run on the engine core's own step loop in
+this process: no thread, no gRPC, no HTTP. The engine is configured exactly as a shim with the
+same flags would configure it (`engine_shim.embedded.engine_config`).
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.capacity.client import prompt_ids
+from bench.capacity.nominal import Nominal
+from bench.loadgen.stats import percentile
+
+
+@dataclass(frozen=True)
+class AloneResult:
+    streams: int
+    tok_s: float
+    ttft_p50_s: float
+    num_tokens: int
+    span_s: float
+
+    def as_nominal(self) -> Nominal:
+        return Nominal(tok_s=self.tok_s, decode_tok_s=self.tok_s, ttft_s=self.ttft_p50_s)
+
+
+class EngineAlone:
+    """One engine core for every stream count (loaded once, freed by `close`)."""
+
+    def __init__(self, model: str, device: str, max_num_seqs: int, shim_env: dict[str, Any]) -> None:
+        from engine_shim.embedded import engine_config  # torch loads here
+        from engine_shim.engine.llm_engine import LLMEngine
+        from engine_shim.settings import ShimSettings
+
+        settings = ShimSettings(model=model, device=device, max_num_seqs=max_num_seqs, **shim_env)
+        self.engine = LLMEngine(engine_config(settings))
+        self.engine.warmup()
+        self._next_id = 0
+
+    def run(self, streams: int, input_len: int, output_len: int, num_requests: int,
+            seed: int) -> AloneResult:
+        from engine_shim.engine.api import GenerateOutput, SamplingParams
+
+        engine = self.engine
+        rng = random.Random(seed)
+        sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+        started_s: dict[str, float] = {}  # running request -> its start (-1 after its first token)
+        ttfts: list[float] = []
+        remaining = num_requests
+        num_tokens = 0
+
+        def submit() -> None:
+            nonlocal remaining
+            remaining -= 1
+            request_id = f"alone-{self._next_id}"
+            self._next_id += 1
+            started_s[request_id] = time.perf_counter()
+            engine.start_generate(request_id, prompt_ids(rng, input_len), 0, sampling)
+
+        origin_s = time.perf_counter()
+        for _ in range(min(streams, num_requests)):
+            submit()
+        while started_s:
+            events = engine.step()
+            now_s = time.perf_counter()
+            for event in events:
+                if not isinstance(event, GenerateOutput) or event.request_id not in started_s:
+                    continue
+                count = sum(len(delta.token_ids) for delta in event.deltas)
+                num_tokens += count
+                request_started_s = started_s[event.request_id]
+                if count and request_started_s >= 0:
+                    ttfts.append(now_s - request_started_s)
+                    started_s[event.request_id] = -1.0  # its first token is counted
+                if event.is_finished:
+                    del started_s[event.request_id]
+                    if remaining > 0:
+                        submit()
+        span_s = time.perf_counter() - origin_s
+        return AloneResult(streams, num_tokens / span_s, percentile(ttfts, 50), num_tokens, span_s)
+
+    def close(self) -> None:
+        import torch
+
+        del self.engine
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
