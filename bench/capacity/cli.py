@@ -26,6 +26,7 @@ from bench.capacity.cell import measure_cell
 from bench.capacity.client import LoadSpec
 from bench.capacity.engine_alone import AloneResult, EngineAlone
 from bench.capacity.nominal import nominal
+from bench.capacity.profiling import start_profiles
 from bench.capacity.report import fold_rounds, table
 from bench.capacity.stack import ROLES, StackOptions, start_stack
 from bench.loadgen.results import machine_info
@@ -66,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="embedded backend: cpu, cuda or cuda:N")
     p.add_argument("--shim-arg", action="append", default=[],
                    help="extra argument for every shim, e.g. --shim-arg=--stream-updates-per-s=0")
+    p.add_argument("--profile-s", type=float, default=0.0,
+                   help="py-spy every control-plane process this long during the first round "
+                        "of the largest stream count (raw profiles in --out)")
     p.add_argument("--toy", action="store_true",
                    help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens")
     return p
@@ -140,7 +144,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                    num_requests=_num_requests(args, base_spec, streams))
                     schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
                         if alone is None else alone[streams].as_nominal()
+                    profiles = [] if not (args.profile_s and round_index == 0 and
+                                          streams == max(streams_list)) else \
+                        start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s)
                     cell = await measure_cell(stack, spec, schedule)
+                    for profiler in profiles:
+                        await asyncio.to_thread(profiler.wait)
                     rounds[streams].append(cell)
                     _progress(pattern, streams, round_index, cell)
                     if spec.duration_s is not None:

@@ -1,0 +1,58 @@
+"""Profiles of the control plane while a cell runs: `py-spy record` on every process of the
+stack (gateway workers included, `--subprocesses`), in raw (collapsed-stack) text that
+`bench.capacity.profiling.summary` folds into the functions that take the time."""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from bench.capacity.stack import Stack
+
+
+def start_profiles(stack: Stack, out_dir: Path, tag: str, duration_s: float) -> list[subprocess.Popen[bytes]]:
+    """One `py-spy record` per process, running `duration_s` in the background (none when
+    py-spy is not installed: the bench carries on without)."""
+    py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if py_spy is None:
+        return []
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen(
+            [py_spy, "record", "--pid", str(process.service.process.pid), "--subprocesses",
+             "--duration", str(int(duration_s)), "--rate", "200", "--format", "raw",
+             "--nonblocking", "--output", str(out_dir / f"profile-{tag}-{process.name}.txt")],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for process in stack.processes
+    ]
+
+
+def summary(path: Path, top: int = 25) -> str:
+    """The functions with the most samples, by their own (self) and with callees (inclusive)."""
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        samples = int(count)
+        total += samples
+        frames = stack.split(";")
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            inclusive[frame] += samples
+    lines = [f"{path.name}: {total} samples", "self:"]
+    lines += [f"  {100 * n / total:5.1f}% {f}" for f, n in own.most_common(top)]
+    lines += ["inclusive:"] + [f"  {100 * n / total:5.1f}% {f}" for f, n in inclusive.most_common(top)]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    for name in sys.argv[1:]:
+        print(summary(Path(name)))
