@@ -1,0 +1,58 @@
+"""The shim's stream interval on Engine.Generate (`--stream-interval-ms`): after a request's
+first output, messages go at most once per interval, so several engine steps' tokens share a
+message (each step's ChoiceDelta kept, in order); the first output never waits, and the tokens
+are exactly StartGenerate's. A real shim process with a long interval, so merging is certain
+however loaded the machine is (no timing is asserted)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+from shim_helpers import PROMPT, ServiceProcess, engine_stub, generate, greedy, start_shim
+
+from microserving.v1 import engine_pb2
+
+pytestmark = pytest.mark.e2e
+
+INTERVAL_MS = 400
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def interval_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    shim = start_shim(tmp_path_factory.mktemp("interval"), "interval", "--role", "both",
+                      "--stream-interval-ms", str(INTERVAL_MS))
+    yield shim
+    shim.stop()
+
+
+async def test_outputs_after_the_first_share_messages_and_keep_every_token(interval_shim) -> None:
+    channel, stub = engine_stub(interval_shim.address)
+    async with channel:
+        expected = await generate(stub, "alone", PROMPT, sampling=greedy(MAX_TOKENS))
+        start = engine_pb2.StartGenerateRequest(request_id="r", token_ids=PROMPT,
+                                                sampling=greedy(MAX_TOKENS))
+        requests: asyncio.Queue[engine_pb2.EngineGenerateRequest | None] = asyncio.Queue()
+        await requests.put(engine_pb2.EngineGenerateRequest(start=start))
+
+        async def outgoing():  # type: ignore[no-untyped-def]
+            while (message := await requests.get()) is not None:
+                yield message
+
+        call = stub.Generate(outgoing())
+        tokens: list[int] = []
+        steps_per_message: list[int] = []
+        async for message in call:
+            (output,) = message.outputs
+            steps_per_message.append(len(output.choices))
+            for choice in output.choices:
+                tokens.extend(choice.token_ids)
+            if output.HasField("usage"):
+                await requests.put(None)
+    assert tokens == expected
+    # The first token went out as soon as the writer was free, not held for the interval:
+    # later messages merged what the engine stepped during theirs.
+    assert len(steps_per_message) < MAX_TOKENS
+    assert steps_per_message[0] < max(steps_per_message[1:])
