@@ -45,6 +45,15 @@ class PagedDecode:
 
 
 @dataclass
+class MixedDecode:
+    """The decode rows of a step that also prefills (CUDA): one query each, through the Triton
+    kernel in one launch, while only the prefilling sequences take the per-sequence path."""
+
+    rows: torch.Tensor  # [B_decode] int64: the rows of the flat batch that decode
+    paged: PagedDecode
+
+
+@dataclass
 class AttnContext:
     """Everything attention needs for one forward pass, shared by all layers."""
 
@@ -53,6 +62,7 @@ class AttnContext:
     sliding_window: int | None = None
     decode: DecodeBatch | None = None  # set when every q_len == 1
     paged_decode: PagedDecode | None = None  # CUDA decode through the Triton kernel
+    mixed_decode: MixedDecode | None = None  # CUDA: the decode rows of a mixed step
 
 
 def build_decode_batch(seqs: list[SeqAttnInfo], sliding_window: int | None) -> DecodeBatch:
@@ -93,6 +103,13 @@ def paged_attention(
     if ctx.decode is not None:
         return _decode_attention(q, k_cache, v_cache, ctx.decode, group, scale)
     out = torch.empty_like(q)
+    if ctx.mixed_decode is not None:  # ctx.seqs then holds only the prefilling sequences
+        mixed = ctx.mixed_decode
+        meta = mixed.paged
+        out[mixed.rows] = paged_decode_attention(
+            q.index_select(0, mixed.rows), k_cache, v_cache, meta.block_tables,
+            meta.context_lens, meta.page_size, scale,
+        )
     for seq in ctx.seqs:
         # 4-D [1, H, len, D] inputs: SDPA's fused (flash / memory-efficient) kernels need a
         # batch dimension; 3-D inputs fall back to the math kernel, quadratic in memory.

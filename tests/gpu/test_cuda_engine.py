@@ -196,6 +196,31 @@ def test_batched_decode_of_16_mixed_lengths_equals_each_alone() -> None:
     assert engine.status().num_free_pages == baseline
 
 
+def test_requests_arriving_mid_decode_equal_each_alone() -> None:
+    """Steps that prefill new arrivals while others decode (the closed-loop serving case):
+    the decode rows go through the Triton kernel in one launch, the prefills per sequence;
+    every request's tokens are its tokens alone (fp32, as above)."""
+    engine = _cuda_engine(dtype="float32", chain_decode=False)
+    baseline = engine.status().num_free_pages
+    prompts = {f"m{i}": _prompt(300 + i, 5 + 17 * i) for i in range(12)}
+    alone = {rid: _tokens(engine, {rid: ids}, GREEDY)[rid] for rid, ids in prompts.items()}
+    outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+    pending = list(prompts.items())
+    num_mixed_steps = 0
+    while pending or engine.has_work:
+        if pending:  # one arrival per step while the earlier ones decode
+            rid, ids = pending.pop(0)
+            engine.add_request(rid, ids, GREEDY)
+        running = [s for s in engine.scheduler.running if s.num_computed_tokens > 0]
+        num_mixed_steps += bool(pending) and len(running) > 0
+        for event in engine.step():
+            for delta in getattr(event, "deltas", ()):
+                outputs[event.request_id].extend(delta.token_ids)
+    assert num_mixed_steps > 0
+    assert outputs == alone
+    assert engine.status().num_free_pages == baseline
+
+
 def test_in_process_pd_on_cuda_is_token_exact_and_leaks_nothing() -> None:
     prefill, decode = _cuda_engine(), _cuda_engine()
     baseline = (prefill.status().num_free_pages, decode.status().num_free_pages)
