@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine_shim.engine import validation
 from engine_shim.engine.api import (
@@ -167,18 +167,15 @@ class TransferOps:
     def export_kv(
         self, request_id: str, begin: int, num_tokens: int, out: torch.Tensor | None = None
     ) -> KVChunk:
-        import torch
-
         job = self._ready_job(request_id)
         if num_tokens < 1 or begin < job.begin or begin + num_tokens > job.end:
             raise InvalidRequestError(
                 f"export window [{begin}, {begin + num_tokens}) outside [{job.begin}, {job.end})"
             )
-        positions = torch.arange(begin, begin + num_tokens, dtype=torch.float32)
-        data = positions.view(1, 1, num_tokens, 1, 1).expand(1, 2, num_tokens, 1, 1)
+        chunk = position_stamped_chunk(begin, num_tokens)
         if out is None:
-            return KVChunk(begin, num_tokens, data.contiguous())
-        out.copy_(data)
+            return chunk
+        out.copy_(cast("torch.Tensor", chunk.data))
         return KVChunk(begin, num_tokens, out)
 
     def finish_remote_send(self, request_id: str) -> None:
@@ -206,6 +203,15 @@ class TransferOps:
             found = True
             self._release_pages(reservation.pages)
         return found
+
+
+def position_stamped_chunk(begin: int, num_tokens: int) -> KVChunk:
+    """Synthetic KV of [begin, begin + num_tokens): each position's key and value hold it."""
+    import torch
+
+    positions = torch.arange(begin, begin + num_tokens, dtype=torch.float32)
+    data = positions.view(1, 1, num_tokens, 1, 1).expand(1, 2, num_tokens, 1, 1).contiguous()
+    return KVChunk(begin, num_tokens, data)
 
 
 def _check_positions(data: object, begin: int, num_tokens: int) -> None:

@@ -45,3 +45,4 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
         assert set(row["engine_thread_ms_per_1k_tokens"]) == shims
         assert all(v >= 0 for v in cpu.values()) and cpu["total"] > 0
         assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"))
+
