@@ -27,6 +27,7 @@ from engine_shim.engine.api import (
 from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendFailed
 from engine_shim.engine.sequence import SeqKind, Sequence
+from engine_shim.synthetic.pages import PagePool
 
 if TYPE_CHECKING:
     import torch
@@ -59,21 +60,16 @@ class TransferOps:
     config: EngineConfig
     vocab_size: int
     max_context_length: int
-    num_free_pages: int
+    pages: PagePool
     _waiting: Any  # deque[Sequence], owned by SyntheticCore
     _events: list[EngineEvent]
+    _requests: dict[str, Any]  # request id -> GenerateRequest, owned by SyntheticCore
 
     if TYPE_CHECKING:  # provided by SyntheticCore
 
         def is_active(self, request_id: str) -> bool: ...
 
         def abort(self, request_id: str) -> bool: ...
-
-        def _check_fits_pool(self, num_tokens: int) -> None: ...
-
-        def _pages_for(self, num_tokens: int) -> int: ...
-
-        def _release_pages(self, pages: list[int]) -> None: ...
 
         def _drop_seq(self, seq: Sequence) -> None: ...
 
@@ -95,13 +91,12 @@ class TransferOps:
             validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
         if self.is_active(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(len(ids) + 1)
-        num_pages = self._pages_for(e)
-        if num_pages > self.num_free_pages:
+        self.pages.check_fits(len(ids) + 1)
+        pages: list[int] = []
+        if not self.pages.grow(pages, e):
             raise ResourceExhaustedError(f"not enough free KV pages to receive {e} tokens")
-        self.num_free_pages -= num_pages
         self._reservations[request_id] = SyntheticReservation(
-            token_ids=ids[:e], end=e, pages=[0] * num_pages,
+            token_ids=ids[:e], end=e, pages=pages,
             expires_at=time.monotonic() + self.config.reservation_ttl_s, imported=bytearray(e),
         )
         # No prefix cache: every position is received. One segment of made-up slots.
@@ -149,9 +144,10 @@ class TransferOps:
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b, e = validation.check_remote_send_window(begin, end, len(ids))
-        if request_id in self._sends or self.is_active(request_id):
+        # A reservation of the same id may coexist (one engine both sending and receiving).
+        if request_id in self._sends or request_id in self._requests:
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(e)
+        self.pages.check_fits(e)
         seq = self._new_seq(request_id, ids[:e], SeqKind.SEND)
         seq.is_disaggregated = True
         self._sends[request_id] = SyntheticSendJob(seq, b, e)
@@ -201,7 +197,7 @@ class TransferOps:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
             found = True
-            self._release_pages(reservation.pages)
+            self.pages.release(reservation.pages)
         return found
 
 
