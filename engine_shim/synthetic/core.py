@@ -15,7 +15,6 @@ what it costs in the real engine. The send/receive half is in transfer.py.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -85,7 +84,6 @@ class SyntheticCore(TransferOps):
         self._device = DeviceClock()
         self._next_seq_id = 0
         self.num_steps = 0
-        self.engine_thread_id: int | None = None  # native id of the thread that warmed it up
         TransferOps.__init__(self)
 
     # ---- facts ----
@@ -120,9 +118,7 @@ class SyntheticCore(TransferOps):
         )
 
     def warmup(self) -> None:
-        """Runs on the engine thread: note its native id, so a benchmark can tell the engine
-        thread's CPU time from the serving threads' (/proc/PID/task/TID/stat)."""
-        self.engine_thread_id = threading.get_native_id()
+        """Nothing to warm up (AsyncEngine calls it, as on LLMEngine)."""
 
     # ---- generate ----
     def start_generate(
