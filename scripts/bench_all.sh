@@ -37,7 +37,7 @@ fi
 
 if [[ "$only" == all || "$only" == capacity ]]; then
   echo "== capacity (synthetic engines on the llama-1b H200 schedule; 1/32/64/128 streams)"
-  "$python" -m microserving.cli bench capacity --rounds 3 --engine-alone --out "$out/capacity"
+  "$python" -m microserving.cli bench capacity --rounds 3 --out "$out/capacity"
   "$python" -m bench.docs_update --doc docs/benchmarks.md \
     "capacity=$out/capacity/table.md:$out/capacity/capacity.json"
 fi
