@@ -7,6 +7,7 @@
 #   scripts/bench_all.sh                 # everything
 #   BENCH_ONLY=control-plane scripts/bench_all.sh
 #   BENCH_ONLY=patterns scripts/bench_all.sh
+#   BENCH_ONLY=capacity scripts/bench_all.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"
@@ -32,6 +33,13 @@ if [[ "$only" == all || "$only" == patterns ]]; then
   cp "$out/patterns/cdf.png" docs/img/patterns_cdf.png
   "$python" -m bench.docs_update --doc docs/benchmarks.md \
     "patterns=$out/patterns/table.md"
+fi
+
+if [[ "$only" == all || "$only" == capacity ]]; then
+  echo "== capacity (synthetic engines on the llama-1b H200 schedule; 1/32/64/128 streams)"
+  "$python" -m microserving.cli bench capacity --rounds 3 --out "$out/capacity"
+  "$python" -m bench.docs_update --doc docs/benchmarks.md \
+    "capacity=$out/capacity/table.md:$out/capacity/capacity.json"
 fi
 
 if [[ "$only" == all || "$only" == others ]]; then

@@ -48,6 +48,7 @@ def cell_figures(
     window_s = closed.wall_s - opened.wall_s
     records = result.records
     num_tokens = sum(r.num_tokens_in_window for r in records)
+    num_chunks = sum(r.num_chunks_in_window for r in records)
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None and r.started_s >= spec.warmup_s]
     itls = [b - a for r in records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)
             if a >= spec.warmup_s]
@@ -75,6 +76,8 @@ def cell_figures(
         "ttft_p50_ms": None if ttft_p50_s is None else ttft_p50_s * 1e3,
         "ttft_added_p50_ms": None if ttft_p50_s is None else (ttft_p50_s - schedule.ttft_s) * 1e3,
         "itl_p99_ms": percentile(itls, 99) * 1e3 if itls else None,
+        # > 1 where a hop merged several tokens of a request into one SSE chunk.
+        "tokens_per_chunk": num_tokens / num_chunks if num_chunks else None,
         # Serving CPU: each process group, its engine thread (a stand-in for the GPU
         # engine's own schedule) taken out of the shims.
         "cpu_ms_per_1k_tokens": {

@@ -192,6 +192,7 @@ def main(argv: list[str]) -> int:
         return 1
     path = args.out / "capacity.json"
     path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (args.out / "table.md").write_text(table(result["rows"]) + "\n", encoding="utf-8")
     print(table(result["rows"]))
     print(f"CPU columns: ms per 1,000 relayed tokens (shims without their engine thread). "
           f"results: {path}")

@@ -44,6 +44,7 @@ class StreamRecord:
     ttft_s: float | None = None
     chunk_times_s: list[float] = field(default_factory=list)
     num_tokens_in_window: int = 0
+    num_chunks_in_window: int = 0  # content chunks: fewer than tokens where hops merge them
     completion_tokens: int | None = None  # from usage, for finished requests
     finish_reason: str | None = None
     error: str | None = None
@@ -115,6 +116,7 @@ def _on_chunk(chunk: dict[str, Any], record: StreamRecord, now_s: float, window:
             record.chunk_times_s.append(now_s)
             if now_s in window:
                 record.num_tokens_in_window += len(text)
+                record.num_chunks_in_window += 1
         if choice.get("finish_reason"):
             record.finish_reason = choice["finish_reason"]
 

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 def profile_from(settings: ShimSettings) -> StepProfile:
     return StepProfile.parse(settings.synthetic_step_ms, settings.synthetic_prefill_tok_s)
 

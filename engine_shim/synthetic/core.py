@@ -4,11 +4,8 @@ max_num_seqs, holds a count of fake KV pages, and each `step()` emits one token 
 sequence, taking as long as the GPU profile says a step of that batch takes.
 
 The step's wall time is a sleep (it releases the GIL, as waiting on a GPU does) until the
-step's end on a simulated device clock, so the host work done inside the step (text, deltas)
-overlaps the "device" as it does in the real engine. Device clock: a decode-only step that
-continues the previous one is chained (it starts when the previous step ends, as the real
-engine launches it before collecting its predecessor); any other step starts when step()
-is called or when the previous one ends, whichever is later.
+step's end on a simulated device clock (device_clock.py), so the host work done inside the
+step (text, deltas) overlaps the "device" as it does in the real engine.
 
 Output goes through the real engine's per-request machinery (engine/request.py: add_token,
 the byte tokenizer's incremental decoder, stop strings, take_delta), so detokenization costs
@@ -18,7 +15,6 @@ what it costs in the real engine. The send/receive half is in transfer.py.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -35,13 +31,14 @@ from engine_shim.engine.api import (
     InvalidRequestError,
     KVLayout,
     PrefixCacheStats,
-    ResourceExhaustedError,
     SamplingParams,
 )
 from engine_shim.engine.config import MODEL_PRESETS, EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendReady
 from engine_shim.engine.request import Choice, GenerateRequest, add_token, finish_choice, take_delta
 from engine_shim.engine.sequence import SeqKind, SeqStatus, Sequence
+from engine_shim.synthetic.device_clock import DeviceClock
+from engine_shim.synthetic.pages import DEFAULT_NUM_PAGES, PagePool
 from engine_shim.synthetic.profile import StepProfile
 from engine_shim.synthetic.tokens import TokenStream
 from engine_shim.synthetic.transfer import TransferOps
@@ -49,7 +46,6 @@ from microserving.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_NUM_PAGES = 1 << 16  # pages are only counted, so a large pool costs nothing
 _BLOCKED_WAIT_S = 0.001  # waiting work that cannot be admitted: don't spin
 
 
@@ -79,20 +75,26 @@ class SyntheticCore(TransferOps):
             config.max_context_length or model.max_position_embeddings, model.max_position_embeddings
         )
         self.page_size = config.page_size
-        self.num_pages = config.num_pages or DEFAULT_NUM_PAGES
-        self.num_free_pages = self.num_pages
+        self.pages = PagePool(config.num_pages or DEFAULT_NUM_PAGES, config.page_size)
         self._requests: dict[str, GenerateRequest] = {}
         self._streams: dict[Choice, TokenStream] = {}
         self._waiting: deque[Sequence] = deque()  # prompt KV still to compute, in order
         self._running: list[Sequence] = []  # decode rows
         self._events: list[EngineEvent] = []
-        self._last_step: tuple[float, float] | None = None  # (called at, ends at) on the clock
+        self._device = DeviceClock()
         self._next_seq_id = 0
         self.num_steps = 0
-        self.engine_thread_id: int | None = None  # native id of the thread that warmed it up
         TransferOps.__init__(self)
 
     # ---- facts ----
+    @property
+    def num_pages(self) -> int:
+        return self.pages.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pages.num_free_pages
+
     @property
     def kv_layout(self) -> KVLayout:
         # One float per token and side: KV chunks stay tiny but travel the real data plane.
@@ -116,9 +118,7 @@ class SyntheticCore(TransferOps):
         )
 
     def warmup(self) -> None:
-        """Runs on the engine thread: note its native id, so a benchmark can tell the engine
-        thread's CPU time from the serving threads' (/proc/PID/task/TID/stat)."""
-        self.engine_thread_id = threading.get_native_id()
+        """Nothing to warm up (AsyncEngine calls it, as on LLMEngine)."""
 
     # ---- generate ----
     def start_generate(
@@ -133,7 +133,7 @@ class SyntheticCore(TransferOps):
         _refuse_unmodelled(sampling)
         if request_id in self._requests or request_id in self._sends:
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(len(ids) + 1)
+        self.pages.check_fits(len(ids) + 1)
         seq = self._new_seq(request_id, ids, SeqKind.GENERATE)
         reservation = self._reservations.get(request_id)
         if reservation is None and b != 0:
@@ -179,12 +179,12 @@ class SyntheticCore(TransferOps):
         prefilling, num_prefill_tokens = self._admit()
         batch_size = len(decoding) + len(prefilling)
         if batch_size == 0:
-            self._last_step = None
+            self._device.idle()
             if self._waiting and not self._events:
                 self._sleep(_BLOCKED_WAIT_S)
             return self._take_events()
-        ends_at = self._device_start(called_at, is_chained=not prefilling) + self.profile.step_s(
-            batch_size, num_prefill_tokens
+        ends_at = self._device.step_ends_at(
+            called_at, self.profile.step_s(batch_size, num_prefill_tokens), is_chained=not prefilling
         )
         touched: dict[str, GenerateRequest] = {}
         for seq in decoding:
@@ -194,20 +194,11 @@ class SyntheticCore(TransferOps):
                 self._on_prefilled(seq, touched)
         for request in touched.values():
             self._emit(request)
-        self._last_step = (called_at, ends_at)
         self.num_steps += 1
         remaining_s = ends_at - self._clock()
         if remaining_s > 0:
             self._sleep(remaining_s)
         return self._take_events()
-
-    def _device_start(self, called_at: float, is_chained: bool) -> float:
-        if self._last_step is None:
-            return called_at
-        last_called_at, last_ends_at = self._last_step
-        if is_chained:  # launched during the previous call, runs right after it
-            return max(last_ends_at, last_called_at)
-        return max(last_ends_at, called_at)
 
     def _admit(self) -> tuple[list[Sequence], int]:
         """Sequences whose prompt KV this step computes (in arrival order, within the prefill
@@ -217,7 +208,7 @@ class SyntheticCore(TransferOps):
         for seq in self._waiting:
             if budget == 0 or len(self._running) + len(admitted) >= self.config.max_num_seqs:
                 break
-            if not self._hold_pages(seq, seq.num_tokens):
+            if not self.pages.grow(seq.block_table, seq.num_tokens):
                 break  # first come, first served: later ones wait too
             num_tokens = min(seq.num_pending_tokens, budget)
             seq.num_computed_tokens += num_tokens
@@ -242,7 +233,7 @@ class SyntheticCore(TransferOps):
             child.num_computed_tokens = child.num_cached_tokens = seq.num_computed_tokens
             child.is_disaggregated = seq.is_disaggregated
             request.choices.append(self._new_choice(index, child, request.sampling))
-            self._hold_pages(child, child.num_tokens)
+            self.pages.grow(child.block_table, child.num_tokens)
             self._running.append(child)
         self._running.append(seq)
         for choice in request.choices:  # the parent first, as LLMEngine samples them
@@ -257,7 +248,7 @@ class SyntheticCore(TransferOps):
     def _sample(self, request: GenerateRequest, choice: Choice, touched: dict[str, GenerateRequest]) -> None:
         seq = choice.seq
         touched[request.request_id] = request
-        if not self._hold_pages(seq, seq.num_tokens + 1):
+        if not self.pages.grow(seq.block_table, seq.num_tokens + 1):
             self._drop_seq(seq)
             finish_choice(choice, FinishReason.LENGTH)  # out of KV pages, as LLMEngine does
             return
@@ -290,38 +281,14 @@ class SyntheticCore(TransferOps):
         events, self._events = self._events, []
         return events
 
-    # ---- pages and sequences ----
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)
-
-    def _hold_pages(self, seq: Sequence, num_tokens: int) -> bool:
-        """Grow the sequence's (fake) pages to cover `num_tokens`; False if the pool is short."""
-        missing = self._pages_for(num_tokens) - len(seq.block_table)
-        if missing <= 0:
-            return True
-        if missing > self.num_free_pages:
-            return False
-        self.num_free_pages -= missing
-        seq.block_table.extend([0] * missing)  # only the count matters
-        return True
-
-    def _release_pages(self, pages: list[int]) -> None:
-        self.num_free_pages += len(pages)
-        pages.clear()
-
+    # ---- sequences ----
     def _drop_seq(self, seq: Sequence) -> None:
         if seq in self._running:
             self._running.remove(seq)
         if seq in self._waiting:
             self._waiting.remove(seq)
-        self._release_pages(seq.block_table)
+        self.pages.release(seq.block_table)
         seq.status = SeqStatus.FINISHED
-
-    def _check_fits_pool(self, num_tokens: int) -> None:
-        if self._pages_for(num_tokens) > self.num_pages:
-            raise ResourceExhaustedError(
-                f"{num_tokens} tokens need more KV pages than the pool holds ({self.num_pages})"
-            )
 
     def _new_seq(self, request_id: str, ids: list[int], kind: SeqKind) -> Sequence:
         self._next_seq_id += 1

@@ -10,7 +10,7 @@ import logging
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from engine_shim.engine import validation
 from engine_shim.engine.api import (
@@ -27,6 +27,7 @@ from engine_shim.engine.api import (
 from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendFailed
 from engine_shim.engine.sequence import SeqKind, Sequence
+from engine_shim.synthetic.pages import PagePool
 
 if TYPE_CHECKING:
     import torch
@@ -59,21 +60,16 @@ class TransferOps:
     config: EngineConfig
     vocab_size: int
     max_context_length: int
-    num_free_pages: int
+    pages: PagePool
     _waiting: Any  # deque[Sequence], owned by SyntheticCore
     _events: list[EngineEvent]
+    _requests: dict[str, Any]  # request id -> GenerateRequest, owned by SyntheticCore
 
     if TYPE_CHECKING:  # provided by SyntheticCore
 
         def is_active(self, request_id: str) -> bool: ...
 
         def abort(self, request_id: str) -> bool: ...
-
-        def _check_fits_pool(self, num_tokens: int) -> None: ...
-
-        def _pages_for(self, num_tokens: int) -> int: ...
-
-        def _release_pages(self, pages: list[int]) -> None: ...
 
         def _drop_seq(self, seq: Sequence) -> None: ...
 
@@ -95,13 +91,12 @@ class TransferOps:
             validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
         if self.is_active(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(len(ids) + 1)
-        num_pages = self._pages_for(e)
-        if num_pages > self.num_free_pages:
+        self.pages.check_fits(len(ids) + 1)
+        pages: list[int] = []
+        if not self.pages.grow(pages, e):
             raise ResourceExhaustedError(f"not enough free KV pages to receive {e} tokens")
-        self.num_free_pages -= num_pages
         self._reservations[request_id] = SyntheticReservation(
-            token_ids=ids[:e], end=e, pages=[0] * num_pages,
+            token_ids=ids[:e], end=e, pages=pages,
             expires_at=time.monotonic() + self.config.reservation_ttl_s, imported=bytearray(e),
         )
         # No prefix cache: every position is received. One segment of made-up slots.
@@ -149,9 +144,10 @@ class TransferOps:
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b, e = validation.check_remote_send_window(begin, end, len(ids))
-        if request_id in self._sends or self.is_active(request_id):
+        # A reservation of the same id may coexist (one engine both sending and receiving).
+        if request_id in self._sends or request_id in self._requests:
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(e)
+        self.pages.check_fits(e)
         seq = self._new_seq(request_id, ids[:e], SeqKind.SEND)
         seq.is_disaggregated = True
         self._sends[request_id] = SyntheticSendJob(seq, b, e)
@@ -167,18 +163,15 @@ class TransferOps:
     def export_kv(
         self, request_id: str, begin: int, num_tokens: int, out: torch.Tensor | None = None
     ) -> KVChunk:
-        import torch
-
         job = self._ready_job(request_id)
         if num_tokens < 1 or begin < job.begin or begin + num_tokens > job.end:
             raise InvalidRequestError(
                 f"export window [{begin}, {begin + num_tokens}) outside [{job.begin}, {job.end})"
             )
-        positions = torch.arange(begin, begin + num_tokens, dtype=torch.float32)
-        data = positions.view(1, 1, num_tokens, 1, 1).expand(1, 2, num_tokens, 1, 1)
+        chunk = position_stamped_chunk(begin, num_tokens)
         if out is None:
-            return KVChunk(begin, num_tokens, data.contiguous())
-        out.copy_(data)
+            return chunk
+        out.copy_(cast("torch.Tensor", chunk.data))
         return KVChunk(begin, num_tokens, out)
 
     def finish_remote_send(self, request_id: str) -> None:
@@ -204,8 +197,17 @@ class TransferOps:
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
             found = True
-            self._release_pages(reservation.pages)
+            self.pages.release(reservation.pages)
         return found
+
+
+def position_stamped_chunk(begin: int, num_tokens: int) -> KVChunk:
+    """Synthetic KV of [begin, begin + num_tokens): each position's key and value hold it."""
+    import torch
+
+    positions = torch.arange(begin, begin + num_tokens, dtype=torch.float32)
+    data = positions.view(1, 1, num_tokens, 1, 1).expand(1, 2, num_tokens, 1, 1).contiguous()
+    return KVChunk(begin, num_tokens, data)
 
 
 def _check_positions(data: object, begin: int, num_tokens: int) -> None:

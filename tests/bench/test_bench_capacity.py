@@ -28,6 +28,7 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| round-robin | 4 |" in done.stdout and "| disagg | 1 |" in done.stdout
     report = json.loads((tmp_path / "capacity.json").read_text())
+    assert (tmp_path / "table.md").read_text().startswith("| pattern | streams |")
     rows = {(r["pattern"], r["streams"]): r for r in report["rows"]}
     assert set(rows) == {(p, s) for p in ("round-robin", "disagg") for s in TOY_STREAMS}
     for (pattern, _), row in rows.items():
@@ -39,6 +40,7 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
         assert 0 < row["ratio"] <= 1.05
         assert row["client_tok_s"] == pytest.approx(row["ratio"] * row["nominal_tok_s"])
         assert math.isfinite(row["ttft_added_p50_ms"]) and row["itl_p99_ms"] > 0
+        assert 1 <= row["tokens_per_chunk"] <= TOY_OUTPUT_LEN
         shims = {"round-robin": {"shim-both"}, "disagg": {"shim-prefill", "shim-decode"}}[pattern]
         cpu = row["cpu_ms_per_1k_tokens"]
         assert set(cpu) == {"gateway", "router", "total", *shims}

@@ -192,3 +192,19 @@ def test_kv_for_the_wrong_window_is_refused() -> None:
     chunk = prefill.export_kv("r", 10, 20)
     with pytest.raises(InvalidRequestError, match="positions"):
         decode.import_kv("r", type(chunk)(begin=30, num_tokens=20, data=chunk.data))
+
+
+def test_device_clock_chains_decode_steps_and_waits_for_the_host_otherwise() -> None:
+    from engine_shim.synthetic.device_clock import DeviceClock
+
+    clock = DeviceClock()
+    assert clock.step_ends_at(10.0, 1.0, is_chained=True) == 11.0  # idle: starts when called
+    # Chained, the host back before the step ended: back to back on the device.
+    assert clock.step_ends_at(10.5, 1.0, is_chained=True) == 12.0
+    # Chained, the host back late: it was launched when the previous step() began (10.5).
+    assert clock.step_ends_at(14.0, 1.0, is_chained=True) == 13.0
+    # Not chained (a prompt to schedule): the device waits for the host's call.
+    assert clock.step_ends_at(15.0, 2.0, is_chained=False) == 17.0
+    assert clock.step_ends_at(15.5, 1.0, is_chained=False) == 18.0  # ... and for the device
+    clock.idle()
+    assert clock.step_ends_at(30.0, 1.0, is_chained=True) == 31.0
