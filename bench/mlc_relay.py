@@ -30,6 +30,7 @@ from typing import Any
 from bench.capacity.cell import Load, measure_cell
 from bench.capacity.client import LoadSpec
 from bench.capacity.nominal import nominal
+from bench.capacity.profiling import start_profiles
 from bench.capacity.report import fold_rounds
 from bench.loadgen.results import machine_info
 from bench.mlc_relay_load import direct_load, mlc_body, relay_load, round_trips
@@ -62,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefill-tok-s", type=float, default=DEFAULT_PREFILL_TOK_S)
     p.add_argument("--shim-arg", action="append", default=[],
                    help="extra argument for every shim, e.g. --shim-arg=--log-level=INFO")
+    p.add_argument("--profile-s", type=float, default=0.0,
+                   help="py-spy every process of the relay side this long during the first round "
+                        "of the largest stream count (raw profiles in --out)")
     p.add_argument("--toy", action="store_true",
                    help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens, 1 round")
     return p
@@ -94,7 +98,12 @@ async def _measure_pattern(args: argparse.Namespace, stack: RelayStack, base: Lo
             order = ("direct", "relay") if round_index % 2 == 0 else ("relay", "direct")
             for side in order:
                 view, load = sides[side]
+                profiles = [] if not (args.profile_s and side == "relay" and round_index == 0
+                                      and streams == max(args.streams)) else \
+                    start_profiles(view, args.out, f"{stack.pattern}-{streams}", args.profile_s)
                 cell = await measure_cell(view, spec, schedule, load)
+                for profiler in profiles:
+                    await asyncio.to_thread(profiler.wait)
                 cells.setdefault((side, streams), []).append(cell)
                 _progress(stack.pattern, side, streams, round_index, cell)
                 if spec.duration_s is not None:

@@ -23,7 +23,14 @@ import aiohttp
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.capacity.client import LoadResult, LoadSpec, StreamRecord, Window, drive, stream_completion
+from bench.capacity.client import (
+    LoadResult,
+    LoadSpec,
+    StreamRecord,
+    Window,
+    drive,
+    stream_completion,
+)
 from gateway.router_client import RouterClient
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, router_pb2

@@ -8,6 +8,8 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -108,5 +110,18 @@ def main(argv: list[str]) -> int:
     )
     if settings.tune_malloc:
         tune_for_large_buffers()
-    asyncio.run(run(settings))
+    _loop_runner(settings.backend)(run(settings))
     return 0
+
+
+def _loop_runner(backend: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+    """The mlc backend's work is all sockets (an HTTP stream per running request): uvloop,
+    when installed, takes about a third off its CPU per relayed token (bench mlc-relay)."""
+    if backend == "mlc":
+        try:
+            import uvloop
+        except ImportError:
+            pass
+        else:
+            return uvloop.run
+    return asyncio.run
