@@ -131,7 +131,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                    "load": asdict(base)},
         "profile": {"step_ms": args.step_ms, "prefill_tok_s": args.prefill_tok_s},
-        "machine": machine_info(["microserving", "bench", "mlc-relay", *sys.argv[2:]]),
+        "machine": machine_info(["microserving", "bench", "mlc-relay", *args.argv]),
         "comparisons": comparisons,
         "rows": rows,
     }
@@ -147,6 +147,7 @@ def _progress(pattern: str, side: str, streams: int, round_index: int, cell: dic
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(argv)
     if min(args.rounds, *args.streams, args.output_len) < 1 or args.input_len < 2:
         parser.error("--rounds, --streams and --output-len must be >= 1, --input-len >= 2")
     args.out.mkdir(parents=True, exist_ok=True)
