@@ -158,6 +158,7 @@ def main(argv: list[str]) -> int:
         return 1
     path = args.out / "mlc_relay.json"
     path.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    (args.out / "table.md").write_text(table(result["comparisons"]) + "\n", encoding="utf-8")
     print(table(result["comparisons"]))
     print(f"CPU columns: ms per 1,000 tokens (the engine without its engine thread). "
           f"results: {path}")

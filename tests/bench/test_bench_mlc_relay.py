@@ -27,6 +27,7 @@ def test_mlc_relay_toy_run_compares_both_sides(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| round-robin | 4 |" in done.stdout and "| disagg | 1 |" in done.stdout
+    assert (tmp_path / "table.md").read_text().startswith("| pattern | streams |")
     report = json.loads((tmp_path / "mlc_relay.json").read_text())
     rows = {(r["pattern"], r["streams"]): r for r in report["rows"]}
     assert set(rows) == {(f"{p}/{side}", s) for p in ("round-robin", "disagg")
