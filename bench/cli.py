@@ -4,8 +4,8 @@
         --input-len 3000 --output-len 100 --ignore-eos --out runs/rate2
     microserving bench compare runs/rate1 runs/rate2 --out runs/compare
 
-Also dispatches `microserving bench capacity ...`, `microserving bench control-plane ...` and
-`microserving bench patterns ...`.
+Also dispatches `microserving bench capacity ...`, `microserving bench control-plane ...`,
+`microserving bench mlc-relay ...` and `microserving bench patterns ...`.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ SUBCOMMANDS = {
     "capacity": "bench.capacity.cli",
     "compare": "bench.cli:compare_main",
     "control-plane": "bench.control_plane",
+    "mlc-relay": "bench.mlc_relay",
     "patterns": "bench.patterns",
 }
 
@@ -53,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="microserving bench",
         description="Streaming load generator for OpenAI-compatible servers "
-        "(subcommands: capacity, compare, control-plane, patterns).",
+        "(subcommands: capacity, compare, control-plane, mlc-relay, patterns).",
         allow_abbrev=False,
     )
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000/v1")

@@ -8,6 +8,7 @@
 #   BENCH_ONLY=control-plane scripts/bench_all.sh
 #   BENCH_ONLY=patterns scripts/bench_all.sh
 #   BENCH_ONLY=capacity scripts/bench_all.sh
+#   BENCH_ONLY=mlc-relay scripts/bench_all.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python="${PYTHON:-python}"
@@ -40,6 +41,13 @@ if [[ "$only" == all || "$only" == capacity ]]; then
   "$python" -m microserving.cli bench capacity --rounds 3 --out "$out/capacity"
   "$python" -m bench.docs_update --doc docs/benchmarks.md \
     "capacity=$out/capacity/table.md:$out/capacity/capacity.json"
+fi
+
+if [[ "$only" == all || "$only" == mlc-relay ]]; then
+  echo "== mlc relay (direct HTTP vs router + shim --backend mlc on mlc-compat synthetic engines)"
+  "$python" -m microserving.cli bench mlc-relay --rounds 3 --duration-s 8 --out "$out/mlc_relay"
+  "$python" -m bench.docs_update --doc docs/benchmarks.md \
+    "mlc-relay=$out/mlc_relay/table.md:$out/mlc_relay/mlc_relay.json"
 fi
 
 if [[ "$only" == all || "$only" == others ]]; then

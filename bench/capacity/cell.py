@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,13 +28,19 @@ def _snapshot(stack: Stack) -> _Snapshot:
     return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), time.process_time())
 
 
-async def measure_cell(stack: Stack, spec: LoadSpec, schedule: Nominal) -> dict[str, Any]:
+# A closed-loop load: (spec, at_edge) -> its result; run_load is the gateway's HTTP client.
+Load = Callable[[LoadSpec, Callable[[str], None]], Awaitable[LoadResult]]
+
+
+async def measure_cell(
+    stack: Stack, spec: LoadSpec, schedule: Nominal, load: Load = run_load
+) -> dict[str, Any]:
     edges: dict[str, _Snapshot] = {}
 
     def at_edge(edge: str) -> None:
         edges[edge] = _snapshot(stack)
 
-    result = await run_load(spec, at_edge)
+    result = await load(spec, at_edge)
     return cell_figures(result, edges["open"], edges["close"], spec, schedule)
 
 
@@ -59,7 +66,7 @@ def cell_figures(
         cpu_before, engine_before = opened.processes[name]
         engine_s = engine_after - engine_before
         serving_s[name] = cpu_after - cpu_before - engine_s
-        if name.startswith("shim"):
+        if name.startswith(("shim", "engine")):  # the processes that run an engine thread
             engine_threads[name] = _per_1k(engine_s, num_tokens)
         cores[name] = (cpu_after - cpu_before) / window_s
     client_tok_s = num_tokens / window_s

@@ -14,7 +14,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,8 @@ class LoadSpec:
     # Count a request's tokens from its usage (a real engine's tokens need not be one
     # character each); needs a fixed request count, every request finishing.
     count_usage: bool = False
+    # Merged into every request body (e.g. MLC's `debug_config` instead of `ignore_eos`).
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,17 +74,20 @@ def prompt_ids(rng: random.Random, input_len: int) -> list[int]:
     return [rng.choice(alphabet) for _ in range(input_len)]
 
 
-async def _one(
+async def stream_completion(
     session: aiohttp.ClientSession, spec: LoadSpec, ids: list[int], window: Window,
-    origin_s: float, record: StreamRecord,
+    origin_s: float, record: StreamRecord, url: str | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> None:
+    """One streamed completion into `record`: POST `url` (default: the spec's
+    /v1/completions) with the workload's body plus `extra`."""
     payload: dict[str, Any] = {
         "model": spec.model, "prompt": ids, "max_tokens": spec.output_len,
         "temperature": 0.0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
+        "stream_options": {"include_usage": True}, **spec.extra_body, **(extra or {}),
     }
     async with session.post(
-        f"{spec.base_url}/completions", json=payload,
+        url or f"{spec.base_url}/completions", json=payload,
         timeout=aiohttp.ClientTimeout(total=spec.timeout_s),
     ) as response:
         if response.status != 200:
@@ -121,10 +126,28 @@ def _on_chunk(chunk: dict[str, Any], record: StreamRecord, now_s: float, window:
             record.finish_reason = choice["finish_reason"]
 
 
+# One request of a closed loop: (prompt ids, its record, the window, the clock's origin).
+Send = Callable[[list[int], StreamRecord, Window, float], Awaitable[None]]
+
+
 async def run_load(spec: LoadSpec, at_edge: Callable[[str], None] = lambda edge: None) -> LoadResult:
+    """Closed loop of /v1/completions streams over HTTP (see `drive`)."""
+    connector = aiohttp.TCPConnector(limit=spec.streams)
+    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
+
+        async def send(ids: list[int], record: StreamRecord, window: Window, origin_s: float) -> None:
+            try:
+                await stream_completion(session, spec, ids, window, origin_s, record)
+            except (TimeoutError, aiohttp.ClientError, ValueError) as error:
+                record.error = f"{type(error).__name__}: {error}"[:200]
+
+        return await drive(spec, send, at_edge)
+
+
+async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None]) -> LoadResult:
     """Closed loop: `streams` workers, each sending its next request when one ends.
     `at_edge("open")` and `at_edge("close")` run at the measured window's edges (the caller
-    reads CPU counters there)."""
+    reads CPU counters there). `send` records its own failures."""
     rng = random.Random(spec.seed)
     is_timed = spec.duration_s is not None
     window = (
@@ -133,41 +156,36 @@ async def run_load(spec: LoadSpec, at_edge: Callable[[str], None] = lambda edge:
     )
     records: list[StreamRecord] = []
     remaining = [spec.num_requests or 0]
-    connector = aiohttp.TCPConnector(limit=spec.streams)
-    async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
-        origin_s = time.perf_counter()
+    origin_s = time.perf_counter()
 
-        def has_next(now_s: float) -> bool:
-            if is_timed:
-                return now_s < window.end_s
-            remaining[0] -= 1
-            return remaining[0] >= 0
-
-        async def worker() -> None:
-            while has_next(time.perf_counter() - origin_s):
-                record = StreamRecord(started_s=time.perf_counter() - origin_s)
-                records.append(record)
-                try:
-                    await _one(session, spec, prompt_ids(rng, spec.input_len), window, origin_s, record)
-                except (TimeoutError, aiohttp.ClientError, ValueError) as error:
-                    record.error = f"{type(error).__name__}: {error}"[:200]
-
-        async def sleep_until(t_s: float) -> None:
-            await asyncio.sleep(max(0.0, t_s - (time.perf_counter() - origin_s)))
-
-        if not is_timed:
-            at_edge("open")
-        workers = [asyncio.create_task(worker()) for _ in range(spec.streams)]
+    def has_next(now_s: float) -> bool:
         if is_timed:
-            await sleep_until(window.start_s)
-            at_edge("open")
-            await sleep_until(window.end_s)
-            at_edge("close")
-            for task in workers:  # the window is over: streams still open are cut off
-                task.cancel()
-        await asyncio.gather(*workers, return_exceptions=is_timed)
-        ended_s = time.perf_counter() - origin_s
-        if not is_timed:
-            at_edge("close")
+            return now_s < window.end_s
+        remaining[0] -= 1
+        return remaining[0] >= 0
+
+    async def worker() -> None:
+        while has_next(time.perf_counter() - origin_s):
+            record = StreamRecord(started_s=time.perf_counter() - origin_s)
+            records.append(record)
+            await send(prompt_ids(rng, spec.input_len), record, window, origin_s)
+
+    async def sleep_until(t_s: float) -> None:
+        await asyncio.sleep(max(0.0, t_s - (time.perf_counter() - origin_s)))
+
+    if not is_timed:
+        at_edge("open")
+    workers = [asyncio.create_task(worker()) for _ in range(spec.streams)]
+    if is_timed:
+        await sleep_until(window.start_s)
+        at_edge("open")
+        await sleep_until(window.end_s)
+        at_edge("close")
+        for task in workers:  # the window is over: streams still open are cut off
+            task.cancel()
+    await asyncio.gather(*workers, return_exceptions=is_timed)
+    ended_s = time.perf_counter() - origin_s
+    if not is_timed:
+        at_edge("close")
     span_s = (spec.duration_s or 0.0) if is_timed else ended_s
     return LoadResult(records, span_s)

@@ -67,7 +67,7 @@ def _shim_args(role: str, options: StackOptions) -> list[str]:
     return [*args, *options.shim_args]
 
 
-def _engine_tid(service: Service) -> int:
+def engine_tid(service: Service) -> int:
     for line in service.log_path.read_text(encoding="utf-8").splitlines():
         if match := _ENGINE_THREAD.search(line):
             return int(match.group(1))
@@ -85,7 +85,7 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
     engines: list[str] = []
     for role, service in zip(roles, shims, strict=True):
         await wait_grpc_serving(service.address, options.startup_timeout_s)
-        processes.append(StackProcess(f"shim-{role}", service, _engine_tid(service)))
+        processes.append(StackProcess(f"shim-{role}", service, engine_tid(service)))
         engines.append(f"--engine={service.address}={role}")
     router_names = (["router"] if options.router_replicas == 1
                     else [f"router-{i}" for i in range(options.router_replicas)])

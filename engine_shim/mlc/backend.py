@@ -1,18 +1,26 @@
 """The MLC backend: speaks a running MLC-LLM server's /microserving/* HTTP routes through one
-pooled httpx client (KV then moves engine to engine by MLC's own NVSHMEM path)."""
+pooled aiohttp session (KV then moves engine to engine by MLC's own NVSHMEM path).
+
+aiohttp rather than httpx: every running request holds one streamed HTTP response, and each
+engine step sends a chunk on each; with httpx + h11 reading them the shim spent ~60 ms of CPU
+per 1,000 relayed tokens, with aiohttp's C parser ~35 (`microserving bench mlc-relay`,
+docs/benchmarks.md). The pool has no connection limit: a limit below the number of running
+requests would queue requests here while the engine has room (httpx's default of 100 did,
+at 128 streams)."""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 
-from engine_shim.backend import BackendInfo, Reservation, SendResult, drain_generate
+from engine_shim.backend import BackendInfo, Reservation, SendResult
 from engine_shim.engine.api import (
     EngineStatus,
     GenerateOutput,
@@ -52,13 +60,17 @@ def _max_context_length(model: str) -> int:
 class MLCBackend:
     def __init__(self, settings: ShimSettings) -> None:
         self._settings = settings
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
         self._process: MLCProcess | None = None
         self._info: BackendInfo | None = None
         self._tokenizer = Tokenizer.from_model(settings.model)
         self._token_bytes = TokenBytes(settings.model)
         self._model_name = settings.model
-        self._streams: dict[str, httpx.Response] = {}
+        self._streams: dict[str, aiohttp.ClientResponse] = {}
+        # A streamed generation lasts as long as it needs; each read waits mlc_timeout_s at most.
+        self._stream_timeout = aiohttp.ClientTimeout(
+            total=None, connect=10.0, sock_read=settings.mlc_timeout_s
+        )
 
     @property
     def info(self) -> BackendInfo:
@@ -67,18 +79,21 @@ class MLCBackend:
         return self._info
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:
+    def session(self) -> aiohttp.ClientSession:
+        if self._session is None:
             raise UnavailableError("mlc backend not started")
-        return self._client
+        return self._session
 
     async def start(self, advertise_address: str) -> None:
         url = self._settings.mlc_url
         if url is None:
             self._process = MLCProcess(self._settings.model, self._settings.mlc_model_lib)
             url = await self._process.start()
-        self._client = httpx.AsyncClient(
-            base_url=url, timeout=httpx.Timeout(self._settings.mlc_timeout_s, connect=10.0)
+        self._session = aiohttp.ClientSession(
+            base_url=url,
+            connector=aiohttp.TCPConnector(limit=0),  # one connection per running request
+            timeout=aiohttp.ClientTimeout(total=self._settings.mlc_timeout_s, connect=10.0),
+            trust_env=False,
         )
         models = (await self._get("/v1/models"))["data"]
         self._model_name = str(models[0]["id"]) if models else self._settings.model
@@ -92,26 +107,26 @@ class MLCBackend:
         )
 
     async def shutdown(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
         if self._process is not None:
             await self._process.stop()
 
     async def _get(self, path: str) -> Any:
         try:
-            response = await self.client.get(path)
-        except httpx.HTTPError as error:
-            raise UnavailableError(f"MLC server unreachable: {error}") from None
-        _raise_for_status(response)
-        return response.json()
+            async with self.session.get(path) as response:
+                await _raise_for_status(response)
+                return await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise UnavailableError(f"MLC server unreachable: {error!r}") from None
 
     async def _post(self, path: str, body: dict[str, Any]) -> Any:
         try:
-            response = await self.client.post(path, json=body)
-        except httpx.HTTPError as error:
-            raise UnavailableError(f"MLC call {path} failed: {error}") from None
-        _raise_for_status(response)
-        return response.json()
+            async with self.session.post(path, json=body) as response:
+                await _raise_for_status(response)
+                return await response.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise UnavailableError(f"MLC call {path} failed: {error!r}") from None
 
     def _base(
         self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams
@@ -143,39 +158,51 @@ class MLCBackend:
         await self._post("/microserving/remote_send", body)
         return SendResult(num_tokens_sent=end - begin, num_bytes_sent=0, num_cached_tokens=0)
 
+    @contextlib.asynccontextmanager
+    async def _start_generate(
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+    ) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The start_generate response, open while the caller reads it."""
+        body = protocol.start_generate_body(self._base(request_id, token_ids, sampling), begin)
+        try:
+            response = await self.session.post(
+                "/microserving/start_generate", json=body, timeout=self._stream_timeout
+            )
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise UnavailableError(f"MLC start_generate failed: {error!r}") from None
+        self._streams[request_id] = response
+        try:
+            await _raise_for_status(response)
+            yield response
+        finally:
+            if self._streams.pop(request_id, None) is not None and not response.content.at_eof():
+                response.close()  # unfinished: dropping the connection makes MLC abort it
+            response.release()  # finished: the connection goes back to the pool
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
     ) -> AsyncIterator[GenerateOutput]:
-        body = protocol.start_generate_body(self._base(request_id, token_ids, sampling), begin)
-        request = self.client.build_request("POST", "/microserving/start_generate", json=body)
-        try:
-            response = await self.client.send(request, stream=True)
-        except httpx.HTTPError as error:
-            raise UnavailableError(f"MLC start_generate failed: {error}") from None
-        self._streams[request_id] = response
-        try:  # closing the response (finish, cancel, Abort) makes MLC abort the request
-            if response.status_code >= 400:
-                await response.aread()
-                _raise_for_status(response)
+        async with self._start_generate(request_id, token_ids, begin, sampling) as response:
             async for output in self._outputs(request_id, response, begin, sampling):
                 yield output
-        finally:
-            self._streams.pop(request_id, None)
-            await response.aclose()
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None],
     ) -> None:
-        # MLC streams each request over an HTTP response of its own: nothing to batch here.
-        await drain_generate(self.generate(request_id, token_ids, begin, sampling), on_output)
+        # MLC streams each request over an HTTP response of its own: nothing to batch here,
+        # but two generator hops per chunk fewer than draining `generate`.
+        async with self._start_generate(request_id, token_ids, begin, sampling) as response:
+            async for output in self._outputs(request_id, response, begin, sampling):
+                on_output(output)
 
     async def _outputs(
-        self, request_id: str, response: httpx.Response, begin: int, sampling: SamplingParams
+        self, request_id: str, response: aiohttp.ClientResponse, begin: int, sampling: SamplingParams
     ) -> AsyncIterator[GenerateOutput]:
         num_generated = 0
+        usage_seen = False
         try:
-            async for chunk in sse_json(response.aiter_lines()):
+            async for chunk in sse_json(response.content.iter_any()):
                 deltas = tuple(
                     protocol.parse_choice(c, self._token_bytes, self._encode, sampling.logprobs)
                     for c in chunk.get("choices") or ()
@@ -185,14 +212,13 @@ class MLCBackend:
                 parsed = protocol.parse_usage(usage, begin) if usage else None
                 if deltas or parsed:
                     yield GenerateOutput(request_id, deltas, parsed)
-                if parsed:
-                    return
-        except (httpx.StreamClosed, httpx.ReadError):
+                usage_seen = usage_seen or parsed is not None
+        except (aiohttp.ClientError, TimeoutError):
             if request_id in self._streams:
                 raise UnavailableError("MLC closed the stream") from None
-        # No usage chunk (older MLC, or aborted): still end the stream with usage.
-        usage = Usage(prompt_tokens=0, completion_tokens=num_generated, cached_tokens=begin)
-        yield GenerateOutput(request_id, (), usage)
+        if not usage_seen:  # older MLC, or aborted: still end the stream with usage
+            usage = Usage(prompt_tokens=0, completion_tokens=num_generated, cached_tokens=begin)
+            yield GenerateOutput(request_id, (), usage)
 
     def _encode(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False)
@@ -201,7 +227,7 @@ class MLCBackend:
         response = self._streams.pop(request_id, None)
         if response is None:
             return False  # MLC has no abort route for a parked prep_recv
-        await response.aclose()
+        response.close()  # drops the connection: MLC aborts the request
         return True
 
     async def status(self) -> EngineStatus:
@@ -232,10 +258,10 @@ def _check_kv_append_metadata(kv_addr_info: bytes) -> str:
     return text
 
 
-def _raise_for_status(response: httpx.Response) -> None:
-    if response.status_code < 400:
+async def _raise_for_status(response: aiohttp.ClientResponse) -> None:
+    if response.status < 400:
         return
-    detail = response.text[:500]
-    if response.status_code < 500:
-        raise InvalidRequestError(f"MLC rejected the call ({response.status_code}): {detail}")
-    raise UnavailableError(f"MLC failed ({response.status_code}): {detail}")
+    detail = (await response.text(errors="replace"))[:500]
+    if response.status < 500:
+        raise InvalidRequestError(f"MLC rejected the call ({response.status}): {detail}")
+    raise UnavailableError(f"MLC failed ({response.status}): {detail}")

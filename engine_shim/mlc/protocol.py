@@ -88,6 +88,16 @@ def _token_id(entry: dict[str, Any], token_bytes: TokenBytes) -> int | None:
     return token_bytes.to_id(bytes(raw))
 
 
+def _ids(content: list[dict[str, Any]], token_bytes: TokenBytes) -> list[int]:
+    ids = []
+    for entry in content:
+        token_id = _token_id(entry, token_bytes)
+        if token_id is None:
+            raise ValueError("MLC logprobs entry without token bytes")
+        ids.append(token_id)
+    return ids
+
+
 def _logprobs(
     content: list[dict[str, Any]], token_bytes: TokenBytes
 ) -> tuple[list[int], list[TokenLogprob]]:
@@ -113,10 +123,13 @@ def parse_choice(
 ) -> Delta:
     text = str(choice.get("text") or "")
     content = (choice.get("logprobs") or {}).get("content")
-    if content is not None:
+    logprobs: list[TokenLogprob] = []
+    if content is not None and not want_logprobs:  # the ids alone (the common, per-token case)
+        ids = _ids(content, token_bytes)
+    elif content is not None:
         ids, logprobs = _logprobs(content, token_bytes)
     else:  # an MLC without logprobs: the best we can do is to re-encode the text
-        ids, logprobs = tokenizer_encode(text), []
+        ids = tokenizer_encode(text)
     reason = choice.get("finish_reason")
     finish = None if reason is None else _FINISH.get(str(reason), FinishReason.ERROR)
     return Delta(

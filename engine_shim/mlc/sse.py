@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
 
-DONE = "[DONE]"
+DONE = b"[DONE]"
 
 
-async def sse_json(lines: AsyncIterator[str]) -> AsyncIterator[dict[str, Any]]:
-    """The JSON payload of every `data:` event until [DONE] (or the end of the stream)."""
-    async for line in lines:
-        if not line.startswith("data:"):
-            continue  # blank separators, comments, other fields
-        payload = line[len("data:") :].strip()
-        if payload == DONE:
-            return
-        if payload:
-            yield json.loads(payload)
+async def sse_json(chunks: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payload of every `data:` event until [DONE] (or the end of the stream), from
+    the body's bytes as they arrive (aiohttp's `iter_any`): one await per network read rather
+    than one per line. After [DONE] the rest of the body is read, so a finished response
+    leaves its connection reusable."""
+    pending = b""
+    async for chunk in chunks:
+        pending += chunk
+        cut = pending.rfind(b"\n") + 1
+        if cut == 0:
+            continue  # no complete line yet
+        lines, pending = pending[:cut].splitlines(), pending[cut:]
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue  # blank separators, comments, other fields
+            payload = line[5:].strip()
+            if payload == DONE:
+                async for _ in chunks:  # only the end of the chunked body is left
+                    pass
+                return
+            if payload:
+                yield json.loads(payload)

@@ -31,6 +31,16 @@ def _parser() -> argparse.ArgumentParser:
         metavar="RANK=URL",
         help="where remote_send delivers KV for recv_rank RANK (repeatable)",
     )
+    parser.add_argument("--max-num-seqs", type=int, help="running sequences per engine step")
+    parser.add_argument(
+        "--synthetic",
+        action="store_true",
+        default=None,
+        help="BENCHMARK ONLY: a model-free engine core that emits tokens on a GPU step-time "
+        "schedule (engine_shim/synthetic), to measure the HTTP server and what fronts it",
+    )
+    parser.add_argument("--synthetic-step-ms", help="synthetic core: decode step ms by batch")
+    parser.add_argument("--synthetic-prefill-tok-s", type=float, help="synthetic core: prefill rate")
     parser.add_argument("--log-level", help="logging level")
     return parser
 

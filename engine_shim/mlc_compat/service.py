@@ -4,6 +4,8 @@ and the receiving end of the KV relay."""
 
 from __future__ import annotations
 
+import logging
+import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
@@ -28,6 +30,12 @@ from engine_shim.token_bytes import TokenBytes
 if TYPE_CHECKING:
     from engine_shim.engine.async_engine import AsyncEngine
 
+logger = logging.getLogger(__name__)
+
+# Printed once the engine thread runs (stderr), for tools that tell the engine's own CPU time
+# apart from the HTTP serving work in /proc (`microserving bench mlc-relay`).
+ENGINE_THREAD_LINE = "microserving mlc-compat engine thread native id {tid}"
+
 
 class CompatService:
     def __init__(self, settings: MLCCompatSettings) -> None:
@@ -41,18 +49,25 @@ class CompatService:
         from engine_shim.engine.async_engine import AsyncEngine  # torch loads here
 
         s = self.settings
-        engine = AsyncEngine(
-            EngineConfig(
-                model=s.model,
-                device=s.device,
-                dtype=s.dtype,
-                page_size=s.page_size,
-                num_pages=s.num_pages,
-                kv_cache_memory_mb=s.kv_cache_memory_mb,
-                reservation_ttl_s=s.reservation_ttl_s,
-            )
+        config = EngineConfig(
+            model=s.model,
+            device=s.device,
+            dtype=s.dtype,
+            page_size=s.page_size,
+            num_pages=s.num_pages,
+            kv_cache_memory_mb=s.kv_cache_memory_mb,
+            reservation_ttl_s=s.reservation_ttl_s,
+            max_num_seqs=s.max_num_seqs,
         )
+        if s.synthetic:
+            from engine_shim.mlc_compat.synthetic import synthetic_factory
+
+            logger.warning("mlc-compat runs the synthetic engine core (BENCHMARK ONLY)")
+            engine = AsyncEngine(config, synthetic_factory(s))
+        else:
+            engine = AsyncEngine(config)
         await engine.start()
+        print(ENGINE_THREAD_LINE.format(tid=engine.thread_native_id), file=sys.stderr, flush=True)
         self._engine = engine
         self._relay = kv_relay.KVRelay(s.peers, engine.kv_layout, s.kv_chunk_bytes)
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
 
 
 class MLCCompatSettings(BaseSettings):
@@ -28,4 +30,23 @@ class MLCCompatSettings(BaseSettings):
         "destination of remote_send, standing in for MLC's NVSHMEM world).",
     )
     kv_chunk_bytes: int = Field(4 * 1024 * 1024, ge=1024, description="Largest KV POST body.")
+    max_num_seqs: int = Field(64, ge=1, description="Running sequences per engine step.")
+    synthetic: bool = Field(
+        False,
+        description="BENCHMARK ONLY: the synthetic engine core (no model; tokens on a GPU "
+        "step-time schedule) behind the same server, to measure what relays it. Never for tests "
+        "that claim to test the engine.",
+    )
+    synthetic_step_ms: str = Field(
+        DEFAULT_STEP_MS, description="Synthetic core: decode step ms by batch size (BATCH:MS,...)."
+    )
+    synthetic_prefill_tok_s: float = Field(
+        DEFAULT_PREFILL_TOK_S, gt=0, description="Synthetic core: prompt tokens per second."
+    )
     log_level: str = Field("INFO", description="Python logging level.")
+
+    @field_validator("synthetic_step_ms")
+    @classmethod
+    def _step_profile_parses(cls, value: str) -> str:
+        StepProfile.parse(value)  # ValueError -> a clear settings error at start-up
+        return value

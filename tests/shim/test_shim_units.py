@@ -174,12 +174,11 @@ def test_mlc_preempt_maps_to_the_preempt_finish_reason():
 async def test_sse_stops_at_done():
     async def lines():
         for line in [
-            'data: {"a": 1}',
-            "",
-            ": comment",
-            'data: {"a": 2}',
-            "data: [DONE]",
-            'data: {"a": 3}',
+            b'data: {"a": 1}\n',  # a read ends anywhere: at a line's end,
+            b"\n: comment\r\ndata: {",  # across lines and within a line
+            b'"a": 2}\n\ndata: [DO',
+            b"NE]\n\n",
+            b'data: {"a": 3}\n\n',
         ]:
             yield line
 
