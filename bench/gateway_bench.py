@@ -81,11 +81,13 @@ class SyntheticRouter(router_pb2_grpc.RouterServicer):
                 task.cancel()
 
     async def GenerateBatched(
-        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext,
-    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        self, request_iterator: AsyncIterator[router_pb2.GenerateBatchedRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateBatchedResponse]:
         """Generate's events, everything queued at each write in one message (as the router)."""
-        batch = router_pb2.GenerateResponseBatch()
-        events = self.Generate(request_iterator, context).__aiter__()
+        batch = router_pb2.GenerateBatchedResponse()
+        # The two request messages carry the same actions under the same field numbers.
+        events = self.Generate(request_iterator, context).__aiter__()  # type: ignore[arg-type]
         pending: asyncio.Task[router_pb2.GenerateResponse] | None = None
         try:
             while True:
@@ -99,7 +101,7 @@ class SyntheticRouter(router_pb2_grpc.RouterServicer):
                     pending = None
                     continue
                 yield batch
-                batch = router_pb2.GenerateResponseBatch()
+                batch = router_pb2.GenerateBatchedResponse()
             if batch.responses:
                 yield batch
         finally:

@@ -61,10 +61,10 @@ T = TypeVar("T")
 # What a request's inbox carries: the router's events, or the failure that ends them all.
 Item: TypeAlias = "router_pb2.GenerateResponse | aio.AioRpcError"
 _LAST_EVENTS = ("done", "error")
-RouterCall: TypeAlias = "MultiplexedCall[router_pb2.GenerateResponseBatch, router_pb2.GenerateResponse]"
+RouterCall: TypeAlias = "MultiplexedCall[router_pb2.GenerateBatchedResponse, router_pb2.GenerateResponse]"
 
 
-def _responses_of(batch: router_pb2.GenerateResponseBatch) -> Sequence[router_pb2.GenerateResponse]:
+def _responses_of(batch: router_pb2.GenerateBatchedResponse) -> Sequence[router_pb2.GenerateResponse]:
     return batch.responses  # type: ignore[return-value]
 
 
@@ -114,7 +114,7 @@ class GenerateStream:
         for request in requests:
             self._ids.append(request.request_id)
             self._pending.add(request.request_id)
-            await call.start(request.request_id, router_pb2.GenerateRequest(generate=request), self)
+            await call.start(request.request_id, router_pb2.GenerateBatchedRequest(generate=request), self)
 
     async def batches(self) -> AsyncIterator[list[router_pb2.GenerateResponse]]:
         """Every event that arrived since the last batch (waiting for one), until each
@@ -154,7 +154,7 @@ class GenerateStream:
             for request_id in self._ids:
                 if call.routes.get(request_id) is self:
                     cancel = router_pb2.CancelRequest(request_id=request_id)
-                    call.cancel(request_id, router_pb2.GenerateRequest(cancel=cancel))
+                    call.cancel(request_id, router_pb2.GenerateBatchedRequest(cancel=cancel))
         self._pending.clear()
         self._inbox = []  # drop whatever was delivered and not read
 

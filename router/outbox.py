@@ -23,8 +23,8 @@ class StreamError(Exception):
 
 class Outbox:
     def __init__(self) -> None:
-        self._batcher: Batcher[router_pb2.GenerateResponseBatch, router_pb2.GenerateResponse] = \
-            Batcher(router_pb2.GenerateResponseBatch, lambda batch: batch.responses)
+        self._batcher: Batcher[router_pb2.GenerateBatchedResponse, router_pb2.GenerateResponse] = \
+            Batcher(router_pb2.GenerateBatchedResponse, lambda batch: batch.responses)
 
     @property
     def num_merged(self) -> int:
@@ -71,7 +71,7 @@ class Outbox:
     def close(self) -> None:
         self._batcher.close()
 
-    async def take(self) -> router_pb2.GenerateResponseBatch | None:
+    async def take(self) -> router_pb2.GenerateBatchedResponse | None:
         """Every event queued (waiting for one); None once closed. Raises StreamError for a
         stream fault."""
         return await self._batcher.take()

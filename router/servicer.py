@@ -31,6 +31,8 @@ _PATTERNS = {
     "adaptive-disagg": router_pb2.PATTERN_ADAPTIVE_DISAGG,
 }
 Reply = TypeVar("Reply")
+# A client message of Generate or GenerateBatched (the same actions).
+ClientMessage = router_pb2.GenerateRequest | router_pb2.GenerateBatchedRequest
 
 
 def _map_errors(
@@ -64,14 +66,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                 yield response
 
     async def GenerateBatched(
-        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        self, request_iterator: AsyncIterator[router_pb2.GenerateBatchedRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[router_pb2.GenerateBatchedResponse]:
         async for batch in self._serve(request_iterator, context):
             yield batch
 
     async def _serve(
-        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
-    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+        self, request_iterator: AsyncIterator[ClientMessage], context: aio.ServicerContext
+    ) -> AsyncIterator[router_pb2.GenerateBatchedResponse]:
         """Both Generate RPCs: the client's requests run, their events come out in batches
         (everything queued when the writer is free)."""
         outbox = Outbox()
@@ -95,7 +98,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
     async def _read(
-        self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], outbox: Outbox,
+        self, request_iterator: AsyncIterator[ClientMessage], outbox: Outbox,
         runners: dict[str, asyncio.Task[None]],
     ) -> None:
         try:

@@ -482,7 +482,41 @@ class GenerateResponse(_message.Message):
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
 
 @_typing.final
-class GenerateResponseBatch(_message.Message):
+class GenerateBatchedRequest(_message.Message):
+    """One client message of Router.GenerateBatched: the same actions as GenerateRequest (and the
+    same field numbers, so a GenerateRequest's bytes parse as one).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    GENERATE_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def generate(self) -> Global___NewRequest:
+        """Start a new request."""
+
+    @_builtins.property
+    def cancel(self) -> Global___CancelRequest:
+        """Cancel a request started earlier on this stream."""
+
+    def __init__(
+        self,
+        *,
+        generate: Global___NewRequest | None = ...,
+        cancel: Global___CancelRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "generate", b"generate"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "generate", b"generate"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["generate", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
+
+Global___GenerateBatchedRequest: _TypeAlias = GenerateBatchedRequest  # noqa: Y015
+
+@_typing.final
+class GenerateBatchedResponse(_message.Message):
     """One server message of Router.GenerateBatched."""
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -503,7 +537,7 @@ class GenerateResponseBatch(_message.Message):
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___GenerateResponseBatch: _TypeAlias = GenerateResponseBatch  # noqa: Y015
+Global___GenerateBatchedResponse: _TypeAlias = GenerateBatchedResponse  # noqa: Y015
 
 @_typing.final
 class ListModelsRequest(_message.Message):

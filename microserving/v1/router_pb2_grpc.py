@@ -42,8 +42,8 @@ class RouterStub:
                 _registered_method=True)
         self.GenerateBatched = channel.stream_stream(
                 '/microserving.v1.Router/GenerateBatched',
-                request_serializer=microserving_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
-                response_deserializer=microserving_dot_v1_dot_router__pb2.GenerateResponseBatch.FromString,
+                request_serializer=microserving_dot_v1_dot_router__pb2.GenerateBatchedRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_router__pb2.GenerateBatchedResponse.FromString,
                 _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/microserving.v1.Router/ListModels',
@@ -84,7 +84,7 @@ class RouterServicer:
         in one message instead of one message per request per step). Events keep their order
         within a request; deltas of one choice that queued up meanwhile are merged into one
         (never the first token: it is written as soon as the writer is free). Same client
-        messages, same events and same rules as Generate; for clients that carry many requests
+        actions, same events and same rules as Generate; for clients that carry many requests
         on a stream (the gateway does).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -123,8 +123,8 @@ def add_RouterServicer_to_server(servicer, server):
             ),
             'GenerateBatched': grpc.stream_stream_rpc_method_handler(
                     servicer.GenerateBatched,
-                    request_deserializer=microserving_dot_v1_dot_router__pb2.GenerateRequest.FromString,
-                    response_serializer=microserving_dot_v1_dot_router__pb2.GenerateResponseBatch.SerializeToString,
+                    request_deserializer=microserving_dot_v1_dot_router__pb2.GenerateBatchedRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_router__pb2.GenerateBatchedResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -195,8 +195,8 @@ class Router:
             request_iterator,
             target,
             '/microserving.v1.Router/GenerateBatched',
-            microserving_dot_v1_dot_router__pb2.GenerateRequest.SerializeToString,
-            microserving_dot_v1_dot_router__pb2.GenerateResponseBatch.FromString,
+            microserving_dot_v1_dot_router__pb2.GenerateBatchedRequest.SerializeToString,
+            microserving_dot_v1_dot_router__pb2.GenerateBatchedResponse.FromString,
             options,
             channel_credentials,
             insecure,

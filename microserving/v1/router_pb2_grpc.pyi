@@ -43,13 +43,13 @@ class RouterStub:
     Malformed stream messages end the call with INVALID_ARGUMENT; failures of one request
     arrive as that request's `error` and leave the others running.
     """
-    GenerateBatched: _grpc.StreamStreamMultiCallable[_router_pb2.GenerateRequest, _router_pb2.GenerateResponseBatch]
+    GenerateBatched: _grpc.StreamStreamMultiCallable[_router_pb2.GenerateBatchedRequest, _router_pb2.GenerateBatchedResponse]
     """Generate with the server's messages batched: each message holds every event that was
     ready when the router's writer got to write (one engine step of all the stream's requests
     in one message instead of one message per request per step). Events keep their order
     within a request; deltas of one choice that queued up meanwhile are merged into one
     (never the first token: it is written as soon as the writer is free). Same client
-    messages, same events and same rules as Generate; for clients that carry many requests
+    actions, same events and same rules as Generate; for clients that carry many requests
     on a stream (the gateway does).
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_router_pb2.ListModelsRequest, _router_pb2.ListModelsResponse]
@@ -74,13 +74,13 @@ class RouterAsyncStub(RouterStub):
     Malformed stream messages end the call with INVALID_ARGUMENT; failures of one request
     arrive as that request's `error` and leave the others running.
     """
-    GenerateBatched: _aio.StreamStreamMultiCallable[_router_pb2.GenerateRequest, _router_pb2.GenerateResponseBatch]  # type: ignore[assignment]
+    GenerateBatched: _aio.StreamStreamMultiCallable[_router_pb2.GenerateBatchedRequest, _router_pb2.GenerateBatchedResponse]  # type: ignore[assignment]
     """Generate with the server's messages batched: each message holds every event that was
     ready when the router's writer got to write (one engine step of all the stream's requests
     in one message instead of one message per request per step). Events keep their order
     within a request; deltas of one choice that queued up meanwhile are merged into one
     (never the first token: it is written as soon as the writer is free). Same client
-    messages, same events and same rules as Generate; for clients that carry many requests
+    actions, same events and same rules as Generate; for clients that carry many requests
     on a stream (the gateway does).
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_router_pb2.ListModelsRequest, _router_pb2.ListModelsResponse]  # type: ignore[assignment]
@@ -112,15 +112,15 @@ class RouterServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
     def GenerateBatched(
         self,
-        request_iterator: _MaybeAsyncIterator[_router_pb2.GenerateRequest],
+        request_iterator: _MaybeAsyncIterator[_router_pb2.GenerateBatchedRequest],
         context: _ServicerContext,
-    ) -> _typing.Union[_abc.Iterator[_router_pb2.GenerateResponseBatch], _abc.AsyncIterator[_router_pb2.GenerateResponseBatch]]:
+    ) -> _typing.Union[_abc.Iterator[_router_pb2.GenerateBatchedResponse], _abc.AsyncIterator[_router_pb2.GenerateBatchedResponse]]:
         """Generate with the server's messages batched: each message holds every event that was
         ready when the router's writer got to write (one engine step of all the stream's requests
         in one message instead of one message per request per step). Events keep their order
         within a request; deltas of one choice that queued up meanwhile are merged into one
         (never the first token: it is written as soon as the writer is free). Same client
-        messages, same events and same rules as Generate; for clients that carry many requests
+        actions, same events and same rules as Generate; for clients that carry many requests
         on a stream (the gateway does).
         """
 

@@ -76,11 +76,11 @@ class FakeRouter(router_pb2_grpc.RouterServicer):
 
     async def GenerateBatched(
         self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext,
-    ) -> AsyncIterator[router_pb2.GenerateResponseBatch]:
+    ) -> AsyncIterator[router_pb2.GenerateBatchedResponse]:
         """Generate's events, each in a batch of its own (a valid batching: the contract
         leaves the grouping to the router)."""
         async for event in self.Generate(request_iterator, context):
-            yield router_pb2.GenerateResponseBatch(responses=[event])
+            yield router_pb2.GenerateBatchedResponse(responses=[event])
 
     async def _run(self, request: router_pb2.NewRequest,
                    queue: asyncio.Queue[router_pb2.GenerateResponse | None]) -> None:
