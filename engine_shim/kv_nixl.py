@@ -47,17 +47,32 @@ def load_nixl() -> tuple[Any, str]:
     """(the NIXL module, "") or (None, why it cannot be used)."""
     reasons = []
     for name in _MODULES:
+        raise_exceptions = logging.raiseExceptions  # NIXL's logging setup changes it
         try:
             module = importlib.import_module(name)
         except Exception as error:  # noqa: BLE001 - an ImportError or a broken native library
             reasons.append(f"{name}: {error}")
             continue
+        finally:
+            logging.raiseExceptions = raise_exceptions
         if hasattr(module, "nixl_agent"):
+            _adopt_nixl_logger()
             return module, ""
         reasons.append(f"{name}: no nixl_agent")
     return None, "NIXL is not installed (pip install 'microserving-grpc[nixl]'): " + "; ".join(
         reasons
     )
+
+
+def _adopt_nixl_logger() -> None:
+    """NIXL logs to stdout, where a shim prints only its `listening on` line: send its
+    records through this process's logging (stderr) instead, warnings and worse unless
+    NIXL_LOG_LEVEL asks for more."""
+    nixl_logger = logging.getLogger("nixl")
+    nixl_logger.handlers.clear()
+    nixl_logger.propagate = True
+    if not os.environ.get("NIXL_LOG_LEVEL"):
+        nixl_logger.setLevel(logging.WARNING)
 
 
 def pool_region(pool: torch.Tensor) -> PoolRegion:

@@ -375,7 +375,8 @@ class AsyncEngine:
                 item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
             except queue.Empty:
                 if block:
-                    core.reap_expired_reservations()
+                    core.reap_expired_reservations()  # and fences past their end
+                    self._status = core.status()  # what they freed shows in GetStatus
                 return True
             if item is _STOP:
                 return False

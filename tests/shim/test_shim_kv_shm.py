@@ -1,6 +1,6 @@
 """The same-host shared-memory KV path between two real shim processes: PD carries the tokens
-exactly through it (P logs path=shm), either side with --kv-shm false falls back to the gRPC
-stream, the receiver still refuses a mismatched layout before staged KV lands in its pool, a
+exactly through it (P logs path=shm; P runs with --kv-transport shm, since the default
+prefers NIXL where it loads), either side with --kv-shm false falls back to the gRPC stream, the receiver still refuses a mismatched layout before staged KV lands in its pool, a
 push that breaks off frees its pages and retires its segment, and segments are memfds that
 leave no name in /dev/shm, before or after their shim stops."""
 
@@ -42,7 +42,17 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    shim = start_shim(tmp_path_factory.mktemp("shm-off"), "shm-off", "--kv-shm", "false")
+    shim = start_shim(
+        tmp_path_factory.mktemp("shm-off"), "shm-off", "--kv-shm", "false", "--kv-transport", "shm"
+    )
+    yield shim
+    shim.stop()
+
+
+@pytest.fixture(scope="module")
+def shm_prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A sender that uses shared memory where offered (not NIXL)."""
+    shim = start_shim(tmp_path_factory.mktemp("shm-p"), "shm-p", "--kv-transport", "shm")
     yield shim
     shim.stop()
 
@@ -65,14 +75,14 @@ async def _logged_path(shim: ServiceProcess, request_id: str) -> str:
     return ""
 
 
-async def test_pd_through_shared_memory_matches_single_shim(prefill_shim, decode_shim):
+async def test_pd_through_shared_memory_matches_single_shim(shm_prefill_shim, decode_shim):
     tokens = [t + 120 for t in PROMPT]
-    expected = await generate_alone(prefill_shim.address, "shm-alone", tokens)
-    ids, info = await _pd(prefill_shim, decode_shim, "shm-pd", tokens)
+    expected = await generate_alone(shm_prefill_shim.address, "shm-alone", tokens)
+    ids, info = await _pd(shm_prefill_shim, decode_shim, "shm-pd", tokens)
     assert info["shm"]["host"] == host_identity()
     assert info["shm"]["pid"] == decode_shim.proc.pid
     assert info["shm"]["fd"] in stage_fds(decode_shim.proc.pid)
-    assert await _logged_path(prefill_shim, "shm-pd") == "shm"
+    assert await _logged_path(shm_prefill_shim, "shm-pd") == "shm"
     assert len(expected) == 16 and ids == expected
 
 
