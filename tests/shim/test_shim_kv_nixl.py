@@ -26,6 +26,7 @@ from shim_helpers import (
     generate,
     generate_alone,
     greedy,
+    logged_path,
     pd_flow,
     start_shim,
     wait_for_free_pages,
@@ -36,16 +37,6 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 NIXL, WHY_NOT = load_nixl()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]
-
-
-async def logged_path(shim: ServiceProcess, request_id: str) -> str:
-    """The path= a sender logged for `request_id`'s RemoteSend ("" if none)."""
-    for _ in range(100):  # the line reaches the file right after the call returns
-        for line in shim.log_text().splitlines():
-            if f"RemoteSend {request_id}:" in line:
-                return line.rsplit("path=", 1)[1].strip()
-        await asyncio.sleep(0.02)
-    return ""
 
 
 async def _reserve(stub, request_id: str, tokens: list[int]) -> dict:
