@@ -25,7 +25,7 @@ from engine_shim.engine.config import EngineConfig
 from engine_shim.kv_addr import KVAddrInfo
 from engine_shim.kv_codec import bytes_per_token, staged_chunk
 from engine_shim.kv_nixl import NixlPlane, load_nixl
-from engine_shim.kv_nixl_sender import write_kv
+from engine_shim.kv_nixl_sender import WriteTimes, write_kv
 from engine_shim.kv_receiver import KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
 from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
@@ -224,13 +224,15 @@ class EmbeddedBackend:
         assert self._nixl is not None  # checked by _can_write_nixl
         started = time.perf_counter()
         held = self.engine.held_send(request_id, list(token_ids), begin, end)
+        times = WriteTimes()
         num_tokens, num_bytes = await write_kv(
             self._peers, self._nixl, addr, held,
-            window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s,
+            window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s, times=times,
         )
         logger.info(
-            "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=nixl",
-            request_id, num_tokens, num_bytes, addr.address, (time.perf_counter() - started) * 1e3,
+            "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms (%s), path=nixl",
+            request_id, num_tokens, num_bytes, addr.address,
+            (time.perf_counter() - started) * 1e3, times,
         )
         return SendResult(num_tokens, num_bytes, 0)
 
@@ -266,8 +268,8 @@ class EmbeddedBackend:
         self._table.close(request_id)
         return bool(await self.engine.abort(request_id))
 
-    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> list[int]:
-        return await self.engine.begin_kv_write(request_id, write_ends_at)
+    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        await self.engine.begin_kv_write(request_id, write_ends_at)
 
     async def finish_kv_write(self, request_id: str) -> None:
         await self.engine.finish_kv_write(request_id)

@@ -40,7 +40,7 @@ logger = logging.getLogger(__name__)
 # re-exports whichever is there.
 _MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 _SPIN_S = 0.0005  # poll by yielding this long, then sleep
-_MAX_POLL_S = 0.002
+_MAX_POLL_S = 0.0005  # a wait's polling adds at most this to a transfer's latency
 
 
 def load_nixl() -> tuple[Any, str]:

@@ -10,6 +10,7 @@ import asyncio
 import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,23 @@ from engine_shim.kv_sender import PEER_ERRORS, PeerChannels
 from microserving.v1 import engine_pb2
 
 
+@dataclass
+class WriteTimes:
+    """Where a write's time went (ms): the engine holding the send's pages (its prefill, if
+    any), the claim's round trip, the transfer, the receiver's confirmation."""
+
+    hold_ms: float = 0.0
+    claim_ms: float = 0.0
+    transfer_ms: float = 0.0
+    confirm_ms: float = 0.0
+
+    def __str__(self) -> str:
+        return (
+            f"hold {self.hold_ms:.1f}, claim {self.claim_ms:.1f}, "
+            f"transfer {self.transfer_ms:.1f}, confirm {self.confirm_ms:.1f} ms"
+        )
+
+
 async def write_kv(
     peers: PeerChannels,
     plane: NixlPlane,
@@ -32,6 +50,7 @@ async def write_kv(
     *,
     window_begin: int,
     write_timeout_s: float,
+    times: WriteTimes | None = None,
 ) -> tuple[int, int]:
     """Write the held send's KV (slots of [window_begin, end)) into `addr`'s reservation;
     (tokens, bytes) written. Raises UnavailableError when the peer or its agent fails, or
@@ -39,11 +58,16 @@ async def write_kv(
     offer = addr.nixl
     if offer is None:
         raise UnavailableError("the receiver made no NIXL offer")
+    times = WriteTimes() if times is None else times
     plane.load_peer(offer)
+    started = time.perf_counter()
     async with held as slots:
+        times.hold_ms = (time.perf_counter() - started) * 1e3
         local = np.asarray(slots[addr.begin - window_begin :], dtype=np.int64)
         remote = segment_slots(addr.kv_segments)
-        num_bytes = await _claim_and_write(peers, plane, addr, offer, local, remote, write_timeout_s)
+        num_bytes = await _claim_and_write(
+            peers, plane, addr, offer, local, remote, write_timeout_s, times
+        )
     return addr.end - addr.begin, num_bytes
 
 
@@ -55,7 +79,9 @@ async def _claim_and_write(
     local: np.ndarray,
     remote: np.ndarray,
     write_timeout_s: float,
+    times: WriteTimes,
 ) -> int:
+    mark = time.perf_counter()
     deadline = time.monotonic() + write_timeout_s  # before the claim leaves: the receiver
     request = engine_pb2.WriteKVRequest(  # fences from its arrival, which is later
         request_id=addr.request_id,
@@ -70,6 +96,7 @@ async def _claim_and_write(
     try:
         pending.append(asyncio.ensure_future(call.read()))
         await _event(pending[-1], "ready", deadline)
+        mark, times.claim_ms = _lap(mark)
         pending.append(asyncio.ensure_future(call.read()))
         ended = pending[-1]
         try:
@@ -81,7 +108,9 @@ async def _claim_and_write(
             if ended.done() and ended.exception() is not None:
                 await _event(ended, "done", deadline)  # raises the peer's own error
             raise
+        mark, times.transfer_ms = _lap(mark)
         await _event(ended, "done", deadline)
+        _, times.confirm_ms = _lap(mark)
         return num_bytes
     except UnavailableError:
         plane.drop_peer(offer.agent)  # reloaded from its next offer (it may have restarted)
@@ -90,6 +119,11 @@ async def _claim_and_write(
         for future in pending:
             future.cancel()
         call.cancel()  # a no-op once the call has ended
+
+
+def _lap(mark: float) -> tuple[float, float]:
+    now = time.perf_counter()
+    return now, (now - mark) * 1e3
 
 
 async def _event(future: asyncio.Future[Any], kind: str, deadline: float) -> None:

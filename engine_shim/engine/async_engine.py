@@ -182,8 +182,8 @@ class AsyncEngine:
             raise UnavailableError("engine is not running")
         return self._core.kv_cache.kv
 
-    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> list[int]:
-        return await self._call(lambda core: core.begin_kv_write(request_id, write_ends_at))
+    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        await self._call(lambda core: core.begin_kv_write(request_id, write_ends_at))
 
     async def finish_kv_write(self, request_id: str) -> None:
         await self._call(lambda core: core.finish_kv_write(request_id))

@@ -185,17 +185,15 @@ class DisaggregationOps:
         flat = [len(segments)] + [x for segment in segments for x in segment]
         return PrepRecvResult(request_id, e, matched, tuple(flat))
 
-    def begin_kv_write(self, request_id: str, write_ends_at: float) -> list[int]:
+    def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
         """A peer is about to write [matched, end) of the reservation straight into its pages
         (a one-sided transfer-engine write) and writes nothing after `write_ends_at`
         (monotonic). Until finish_kv_write, an abort or expiry fences the pages until then
-        instead of freeing them. Returns the reservation's slots of [matched, end)."""
+        instead of freeing them."""
         reservation = self._reservations.get(request_id)
         if reservation is None:
             raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
         reservation.write_ends_at = write_ends_at
-        matched, end = reservation.prefix_matched_length, reservation.end
-        return slots_for_positions(reservation.block_table, self.page_size, matched, end)
 
     def finish_kv_write(self, request_id: str) -> None:
         """The peer's write landed (its notification arrived): [matched, end) is imported."""
