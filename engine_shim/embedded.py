@@ -278,10 +278,10 @@ class EmbeddedBackend:
         return self.engine.status()
 
 
-def _start_nixl(transport: str, pool: torch.Tensor) -> NixlPlane | None:
+def _start_nixl(transport: str, pool: torch.Tensor | None) -> NixlPlane | None:
     """The shim's NIXL agent with the pool registered, where the transport setting wants one
     and NIXL loads; `nixl` insists (a clear start-up error), `auto` falls back with a log."""
-    if transport not in ("auto", "nixl"):
+    if transport not in ("auto", "nixl") or pool is None:
         return None
     module, reason = load_nixl()
     if module is not None:

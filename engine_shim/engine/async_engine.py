@@ -175,12 +175,14 @@ class AsyncEngine:
         return await self._call(lambda core: core.abort(request_id))
 
     @property
-    def kv_pool(self) -> torch.Tensor:
+    def kv_pool(self) -> torch.Tensor | None:
         """The KV pool (kv_cache.py's layout), for a transfer engine to register; peers write
-        only slots a reservation handed out (begin_kv_write), and read only held sends'."""
+        only slots a reservation handed out (begin_kv_write), and read only held sends'.
+        None for a core without one (the benchmark-only synthetic core)."""
         if self._core is None:
             raise UnavailableError("engine is not running")
-        return self._core.kv_cache.kv
+        kv_cache = getattr(self._core, "kv_cache", None)
+        return None if kv_cache is None else kv_cache.kv
 
     async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
         await self._call(lambda core: core.begin_kv_write(request_id, write_ends_at))
