@@ -10,7 +10,7 @@ write carries the reservation token as its notification; the receiver completes 
 reservation only on that token from the agent that claimed it.
 
 Every agent call runs on the event loop's thread (the agent is not thread-safe in the mode
-used here; UCX's progress thread is internal). Transfers and notifications are polled:
+used here, and has no progress thread: see NixlPlane). Transfers and notifications are polled:
 briefly by yielding, then with sleeps that grow to `_MAX_POLL_S`, so an idle shim spends
 nothing and a short transfer is seen within microseconds.
 """
@@ -106,7 +106,11 @@ class NixlPlane:
     def __init__(self, module: Any, pool: torch.Tensor) -> None:
         self._module = module
         self.name = f"microserving-{os.getpid()}-{secrets.token_hex(4)}"
-        config = module.nixl_agent_config(backends=["UCX"])
+        # No progress thread: NIXL runs it with no delay between polls, a core spinning per
+        # shim once a peer is connected (it starved the engine threads of a 2-core box). UCX
+        # progresses instead in the polls below, which run exactly while a write is pending:
+        # the sender's on its transfer, the receiver's on its notifications.
+        config = module.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = module.nixl_agent(self.name, config)
         if "UCX" not in self._agent.backends:
             raise RuntimeError("NIXL's UCX backend did not load")
