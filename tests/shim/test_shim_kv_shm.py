@@ -217,20 +217,20 @@ def _stage_inodes(pid: int) -> set[int]:
 
 
 async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
-    prefill_shim, decode_shim, tmp_path: Path
+    shm_prefill_shim, decode_shim, tmp_path: Path
 ):
     before = _names_in_dev_shm()
     receiver = start_shim(tmp_path, "receiver")
     try:
-        _, info = await _pd(prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
-        assert await _logged_path(prefill_shim, "lifetime-pd") == "shm"
+        _, info = await _pd(shm_prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
+        assert await _logged_path(shm_prefill_shim, "lifetime-pd") == "shm"
         stage = os.stat(f"/proc/{receiver.proc.pid}/fd/{info['shm']['fd']}").st_ino
-        assert stage in _stage_inodes(prefill_shim.proc.pid)  # P keeps it mapped for reuse
+        assert stage in _stage_inodes(shm_prefill_shim.proc.pid)  # P keeps it mapped for reuse
         assert _names_in_dev_shm() == before  # memfds: nothing named that could leak
     finally:
         assert receiver.stop() == 0  # SIGTERM: drained and stopped cleanly
     # P lets go of the gone receiver's segment at its next push (to another receiver).
-    await _pd(prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
-    assert await _logged_path(prefill_shim, "after-lifetime") == "shm"
-    assert stage not in _stage_inodes(prefill_shim.proc.pid)
+    await _pd(shm_prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
+    assert await _logged_path(shm_prefill_shim, "after-lifetime") == "shm"
+    assert stage not in _stage_inodes(shm_prefill_shim.proc.pid)
     assert _names_in_dev_shm() == before
