@@ -1,9 +1,11 @@
 """KV transfer throughput shim to shim on one host: PrepRecv on D, RemoteSend on P (P computes
 the prompt's KV, then pushes it to D's KVTransfer service), timed against a plain memory copy
-of the same number of bytes, for both data paths side by side: `shm` (the KV goes through
-D's shared-memory stage, only windows over gRPC) and `grpc` (the KV bytes in PushKV
-messages over loopback TCP). The first RemoteSend includes P's prefill; the timed ones take
-the KV from P's prefix cache, so they measure the transfer.
+of the same number of bytes, for the data paths side by side: `nixl` (P writes its pool pages
+straight into D's reserved slots through NIXL/UCX, after a WriteKV handshake), `shm` (the KV
+goes through D's shared-memory stage, only windows over gRPC) and `grpc` (the KV bytes in
+PushKV messages over loopback TCP). The first RemoteSend includes P's prefill; the timed ones
+take the KV from P's prefix cache, so they measure the transfer. `nixl` is left out, with a
+note, where NIXL does not load.
 
     PYTHONPATH=. python bench/kv_bench.py --model llama-100m --tokens 1024 8176
 """
@@ -38,14 +40,19 @@ def _memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
     return num_bytes * repeats / (time.perf_counter() - start) / 1e9
 
 
-PATHS = ("shm", "grpc")
+ALL_PATHS = ("nixl", "shm", "grpc")
 
 
-def _without_shm_offer(kv_addr_info: bytes) -> bytes:
-    """The same reservation offered over gRPC only (what a receiver with --kv-shm false
-    advertises), so both paths run between the same two processes, interleaved."""
+def _offering_only(kv_addr_info: bytes, path: str) -> bytes:
+    """The same reservation with only `path`'s offer left (gRPC needs none): what a receiver
+    with that --kv-transport advertises, so every path runs between the same two processes,
+    interleaved. P, on `auto`, takes NIXL, else shared memory, else gRPC."""
     body = json.loads(kv_addr_info)
-    body.pop("shm", None)
+    for offer in ("nixl", "shm"):
+        if offer != path:
+            body.pop(offer, None)
+        elif offer not in body:
+            raise RuntimeError(f"the receiver offered no {offer} (see its log)")
     return json.dumps(body).encode()
 
 
@@ -58,11 +65,7 @@ async def _transfer(
             request_id=request_id, token_ids=tokens, end=-1, sampling=sampling
         )
     )
-    kv_addr_info = prep.kv_addr_info
-    if path == "grpc":
-        kv_addr_info = _without_shm_offer(kv_addr_info)
-    elif "shm" not in json.loads(kv_addr_info):
-        raise RuntimeError("the receiver offered no shared memory (see its log)")
+    kv_addr_info = _offering_only(prep.kv_addr_info, path)
     start = time.perf_counter()
     sent = await p_stub.RemoteSend(
         engine_pb2.RemoteSendRequest(
@@ -80,14 +83,19 @@ async def _transfer(
     return int(sent.num_bytes_sent), elapsed
 
 
-def _paths_logged(p_log: Path) -> dict[str, int]:
-    """RemoteSends P logged per path (proof that the shm runs did not fall back to gRPC)."""
+def _paths_logged(p_log: Path, paths: tuple[str, ...]) -> dict[str, int]:
+    """RemoteSends P logged per path (proof that no run fell back to another path)."""
     text = p_log.read_text(encoding="utf-8") if p_log.exists() else ""
-    return {path: len(re.findall(rf"path={path}\b", text)) for path in PATHS}
+    return {path: len(re.findall(rf"path={path}\b", text)) for path in paths}
 
 
 async def run(
-    model: str, token_counts: list[int], num_pages: int, device: str = "cpu", dtype: str = "auto"
+    model: str,
+    token_counts: list[int],
+    num_pages: int,
+    device: str = "cpu",
+    dtype: str = "auto",
+    paths: tuple[str, ...] = ALL_PATHS,
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
     # shared memory) between two Python processes. D has no prefix-cache hit: every run
@@ -98,10 +106,11 @@ async def run(
     try:
         p = group.start("prefill", ["shim", "--role", "prefill", *common, "--log-level", "INFO"])
         d = group.start("decode", ["shim", "--role", "decode", *common, "--log-level", "WARNING"])
-        num_sent: dict[str, int] = {path: 0 for path in PATHS}
-        rows = await _measure(p.address, d.address, model, device, token_counts, num_sent)
+        counted = tuple(dict.fromkeys([*paths, "grpc"]))  # the cold runs go over gRPC
+        num_sent: dict[str, int] = {path: 0 for path in counted}
+        rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent)
         await asyncio.sleep(0.5)  # P's log reaches its file through a pipe and a thread
-        logged = _paths_logged(p.log_path)
+        logged = _paths_logged(p.log_path, counted)
         if logged != num_sent:
             raise RuntimeError(f"P logged RemoteSends by path {logged}, expected {num_sent}")
         return rows
@@ -115,6 +124,7 @@ async def _measure(
     model: str,
     device: str,
     token_counts: list[int],
+    paths: tuple[str, ...],
     num_sent: dict[str, int],
 ) -> list[dict[str, object]]:
     """Rows per size; `num_sent` counts the RemoteSends made per path."""
@@ -138,14 +148,14 @@ async def _measure(
             # mappings reach their steady size), then the paths alternate run by run, so
             # both see the same load: about 1 GiB moved per path and size, >= 5 runs each.
             for i in range(2):
-                for path in PATHS:
+                for path in paths:
                     await _transfer(
                         p_stub, d_stub, f"warmup-{path}-{n}-{i}", tokens, path, num_sent
                     )
-            times: dict[str, list[float]] = {path: [] for path in PATHS}
+            times: dict[str, list[float]] = {path: [] for path in paths}
             num_bytes = 0
             for i in range(max(5, (1 << 30) // max(1, cold_bytes))):
-                for path in PATHS:
+                for path in paths:
                     num_bytes, elapsed = await _transfer(
                         p_stub, d_stub, f"warm-{path}-{n}-{i}", tokens, path, num_sent
                     )
@@ -157,7 +167,7 @@ async def _measure(
                 "kv_mib": round(num_bytes / 2**20, 1),
                 "remote_send_with_prefill_s": round(cold_s, 3),
             }
-            for path in PATHS:
+            for path in paths:
                 median_s, best_s = statistics.median(times[path]), min(times[path])
                 row[f"{path}_runs"] = len(times[path])
                 row[f"{path}_transfer_s"] = round(median_s, 4)
@@ -176,10 +186,24 @@ def main() -> None:
     # window whose prompt fits the 8192-token context with a position left to generate.
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 8176])
     parser.add_argument("--num-pages", type=int, default=1200)
-    parser.add_argument("--device", default="cpu", help="cpu | cuda (KV moves device -> host -> device)")
+    parser.add_argument(
+        "--device", default="cpu",
+        help="cpu | cuda (nixl: device to device; shm: device -> host -> device)",
+    )
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--paths", nargs="+", choices=ALL_PATHS, default=list(ALL_PATHS))
     args = parser.parse_args()
-    rows = asyncio.run(run(args.model, args.tokens, args.num_pages, args.device, args.dtype))
+    paths = tuple(args.paths)
+    if "nixl" in paths:
+        from engine_shim.kv_nixl import load_nixl
+
+        module, reason = load_nixl()
+        if module is None:
+            print(f"kv_bench: leaving out nixl: {reason}", file=sys.stderr)
+            paths = tuple(p for p in paths if p != "nixl")
+    rows = asyncio.run(
+        run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths)
+    )
     print(
         json.dumps(
             {

@@ -42,6 +42,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--mlc-timeout-s", float, "upper bound of one MLC HTTP call"),
     ("--drain-grace-s", float, "seconds in-flight calls get on SIGTERM / SIGINT"),
     ("--kv-push-chunk-bytes", int, "largest KV payload of one PushKV message"),
+    ("--kv-transport", str, "auto | nixl | shm | grpc: how KV moves to peer shims"),
+    ("--kv-write-timeout-s", float, "bound on one NIXL KV write"),
     ("--kv-shm", str, "true | false: KV through shared memory between shims of one host"),
     ("--kv-shm-max-mb", int, "shared-memory KV stages a receiving shim keeps at most"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),

@@ -24,6 +24,8 @@ from engine_shim.engine.api import (
 from engine_shim.engine.config import EngineConfig
 from engine_shim.kv_addr import KVAddrInfo
 from engine_shim.kv_codec import bytes_per_token, staged_chunk
+from engine_shim.kv_nixl import NixlPlane, load_nixl
+from engine_shim.kv_nixl_sender import WriteTimes, write_kv
 from engine_shim.kv_receiver import KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
 from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
@@ -72,8 +74,10 @@ class EmbeddedBackend:
         self._name = name
         self._engine: AsyncEngine | None = None
         self._info: BackendInfo | None = None
-        # Shared memory only where a host identity exists (Linux) and the setting allows.
-        self._host = host_identity() if settings.kv_shm else None
+        # Shared memory only where a host identity exists (Linux) and the settings allow.
+        use_shm = settings.kv_shm and settings.kv_transport in ("auto", "shm")
+        self._host = host_identity() if use_shm else None
+        self._nixl: NixlPlane | None = None  # this shim's NIXL agent, made at start
         self._staging = StagingPool(settings.kv_shm_max_mb << 20) if self._host else None
         self._segments = SegmentMaps(self._host) if self._host else None
         self._table = ReceiveTable(settings.reservation_ttl_s, self._staging)
@@ -103,6 +107,7 @@ class EmbeddedBackend:
         )
         await engine.start()
         self._engine = engine
+        self._nixl = _start_nixl(self._settings.kv_transport, engine.kv_pool)
         self._info = BackendInfo(
             name=self._name,
             model_id=engine.model_id,
@@ -120,6 +125,8 @@ class EmbeddedBackend:
             if self._engine is not None:
                 await self._engine.shutdown()
         finally:
+            if self._nixl is not None:
+                self._nixl.close()
             self._table.close_all()
             if self._staging is not None:
                 self._staging.close()  # unlinks every segment, leased or free
@@ -133,7 +140,8 @@ class EmbeddedBackend:
         return self._engine.kv_layout
 
     def kv_transfer_servicer(self) -> KVTransferServicer:
-        return KVTransferServicer(self._table, self)
+        # The plane is made at start, after the servicer: looked up at each call.
+        return KVTransferServicer(self._table, self, lambda: self._nixl)
 
     async def prep_recv(
         self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
@@ -153,7 +161,10 @@ class EmbeddedBackend:
             kv_segments=tuple(result.kv_segments),
             layout=layout,
             shm=ticket.staging.offer(self._host) if ticket.staging and self._host else None,
+            nixl=self._nixl.offer() if self._nixl is not None and num_kv_bytes else None,
         )
+        if addr.nixl is not None:
+            ticket.write_digest = addr.write_digest()
         return Reservation(request_id, result.end, result.prefix_matched_length, addr.encode())
 
     async def remote_send(
@@ -171,6 +182,8 @@ class EmbeddedBackend:
         check_layout(addr.layout, self.engine.kv_layout)
         if addr.begin >= end:  # the receiver already holds the whole window
             return SendResult(0, 0, 0)
+        if self._can_write_nixl(addr):
+            return await self._write_nixl(request_id, token_ids, begin, end, addr)
         stage = self._stage(addr)
         # With a stage, the engine exports each chunk straight into its window of it.
         export_into = (
@@ -191,6 +204,35 @@ class EmbeddedBackend:
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",
             request_id, num_tokens, num_bytes, addr.address,
             (time.perf_counter() - started) * 1e3, "shm" if stage is not None else "grpc",
+        )
+        return SendResult(num_tokens, num_bytes, 0)
+
+    def _can_write_nixl(self, addr: KVAddrInfo) -> bool:
+        """NIXL when both sides have an agent and this one can reach the offered one."""
+        if addr.nixl is None or self._nixl is None:
+            return False
+        try:
+            self._nixl.load_peer(addr.nixl)
+        except UnavailableError as error:
+            logger.warning("NIXL to %s unusable (%s); falling back", addr.address, error)
+            return False
+        return True
+
+    async def _write_nixl(
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int, addr: KVAddrInfo
+    ) -> SendResult:
+        assert self._nixl is not None  # checked by _can_write_nixl
+        started = time.perf_counter()
+        held = self.engine.held_send(request_id, list(token_ids), begin, end)
+        times = WriteTimes()
+        num_tokens, num_bytes = await write_kv(
+            self._peers, self._nixl, addr, held,
+            window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s, times=times,
+        )
+        logger.info(
+            "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms (%s), path=nixl",
+            request_id, num_tokens, num_bytes, addr.address,
+            (time.perf_counter() - started) * 1e3, times,
         )
         return SendResult(num_tokens, num_bytes, 0)
 
@@ -226,8 +268,34 @@ class EmbeddedBackend:
         self._table.close(request_id)
         return bool(await self.engine.abort(request_id))
 
+    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        await self.engine.begin_kv_write(request_id, write_ends_at)
+
+    async def finish_kv_write(self, request_id: str) -> None:
+        await self.engine.finish_kv_write(request_id)
+
     async def status(self) -> EngineStatus:
         return self.engine.status()
+
+
+def _start_nixl(transport: str, pool: torch.Tensor | None) -> NixlPlane | None:
+    """The shim's NIXL agent with the pool registered, where the transport setting wants one
+    and NIXL loads; `nixl` insists (a clear start-up error), `auto` falls back with a log."""
+    if transport not in ("auto", "nixl") or pool is None:
+        return None
+    module, reason = load_nixl()
+    if module is not None:
+        try:
+            plane = NixlPlane(module, pool)
+        except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
+            module, reason = None, f"NIXL agent failed to start: {error}"
+    if module is None:
+        if transport == "nixl":
+            raise RuntimeError(f"--kv-transport nixl: {reason}")
+        logger.info("KV transport: no NIXL (%s); shared memory or gRPC", reason)
+        return None
+    logger.info("KV transport: NIXL agent %s, pool in %s", plane.name, plane.mem_type)
+    return plane
 
 
 def _check_window_fits(request_id: str, begin: int, end: int, addr: KVAddrInfo) -> None:

@@ -1,11 +1,13 @@
 """The embedded backend's `kv_addr_info`: self-describing JSON bytes that tell a sender where
 to push KV (the receiver's data-plane address), which reservation it fills (request id and a
 random token), which slots (MLC-style segments), what KV layout the receiver expects and,
-when it can take the KV through shared memory, which segment (engine_shim/kv_shm.py). Opaque
-to the router, which passes it through unchanged."""
+when it can take the KV through shared memory, which segment (engine_shim/kv_shm.py), and
+when a transfer engine may write its pool directly, the agent and pool regions to write
+(engine_shim/kv_nixl.py). Opaque to the router, which passes it through unchanged."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -34,6 +36,29 @@ class ShmOffer:
 
 
 @dataclass(frozen=True)
+class NixlOffer:
+    """The receiver's NIXL agent and where its KV pool lies: the slot `s` of plane `p`
+    (p = 2 * layer + (0 key, 1 value)) starts at `base + p * plane_bytes + s * slot_bytes`."""
+
+    agent: str  # the receiver's agent name (also inside `metadata`)
+    metadata: str  # the agent's metadata (base64), which a sender loads to reach it
+    mem_type: str  # "DRAM" (host memory) or "VRAM" (device memory)
+    device_id: int
+    base: int
+    num_planes: int
+    plane_bytes: int
+    slot_bytes: int
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> NixlOffer:
+        return cls(
+            str(body["agent"]), str(body["metadata"]), str(body["mem_type"]),
+            int(body["device_id"]), int(body["base"]), int(body["num_planes"]),
+            int(body["plane_bytes"]), int(body["slot_bytes"]),
+        )
+
+
+@dataclass(frozen=True)
 class KVAddrInfo:
     address: str  # host:port of the receiving shim's KVTransfer service
     request_id: str
@@ -44,13 +69,28 @@ class KVAddrInfo:
     layout: KVLayout
     # Set when the receiver can also take the KV through shared memory (same host only).
     shm: ShmOffer | None = None
+    # Set when a sender may write the reserved slots itself through NIXL.
+    nixl: NixlOffer | None = None
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"version": FORMAT_VERSION, **asdict(self)}
         body["kv_segments"] = list(self.kv_segments)
-        if self.shm is None:
-            del body["shm"]
+        for optional in ("shm", "nixl"):
+            if body[optional] is None:
+                del body[optional]
         return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+
+    def write_digest(self) -> str:
+        """SHA-256 of everything that decides where a NIXL write lands (agent, regions, slots,
+        window, reservation): the receiver keeps it, a sender quotes it in WriteKV."""
+        body = {
+            "nixl": None if self.nixl is None else asdict(self.nixl),
+            "kv_segments": list(self.kv_segments),
+            "window": [self.begin, self.end],
+            "reservation": [self.request_id, self.reservation_token],
+        }
+        raw = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+        return hashlib.sha256(raw).hexdigest()
 
     @classmethod
     def decode(cls, raw: bytes) -> KVAddrInfo:
@@ -67,6 +107,7 @@ class KVAddrInfo:
                 kv_segments=tuple(int(x) for x in body["kv_segments"]),
                 layout=KVLayout(**body["layout"]),
                 shm=ShmOffer.from_json(body["shm"]) if body.get("shm") is not None else None,
+                nixl=NixlOffer.from_json(body["nixl"]) if body.get("nixl") is not None else None,
             )
         except InvalidRequestError:
             raise

@@ -9,9 +9,9 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,6 +36,9 @@ from engine_shim.kv_codec import (
 from engine_shim.kv_shm import StagingPool, StagingSegment
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
+if TYPE_CHECKING:
+    from engine_shim.kv_nixl import NixlPlane
+
 KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
@@ -47,6 +50,7 @@ class Ticket:
     expires_at_s: float
     staging: StagingSegment | None = None  # the shared-memory stage offered with it, if any
     is_receiving: bool = False
+    write_digest: str | None = None  # of the NIXL write offer made with it, if any
 
 
 class ReceiveTable:
@@ -145,11 +149,18 @@ def _chunk_fields(raw: bytes) -> tuple[int, int, bytes | memoryview]:
 
 
 class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
-    """Receives PushKV streams as the raw bytes of each message (see `add_to_server`)."""
+    """Receives PushKV streams as the raw bytes of each message (see `add_to_server`), and
+    WriteKV handshakes of NIXL writes (kv_nixl_receiver.py)."""
 
-    def __init__(self, table: ReceiveTable, sink: KVSink) -> None:
+    def __init__(
+        self,
+        table: ReceiveTable,
+        sink: KVSink,
+        nixl: Callable[[], NixlPlane | None] = lambda: None,
+    ) -> None:
         self._table = table
         self._sink = sink
+        self._nixl = nixl  # this shim's NIXL agent, if it has one
 
     def add_to_server(self, server: aio.Server) -> None:
         """Registers KVTransfer like the generated `add_KVTransferServicer_to_server`, except
@@ -160,9 +171,25 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
             request_deserializer=None,  # bytes as received
             response_serializer=engine_pb2.PushKVResponse.SerializeToString,
         )
-        server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, {"PushKV": handler}),)
+        write_handler = grpc.unary_stream_rpc_method_handler(
+            self.WriteKV,
+            request_deserializer=engine_pb2.WriteKVRequest.FromString,
+            response_serializer=engine_pb2.WriteKVResponse.SerializeToString,
         )
+        handlers = {"PushKV": handler, "WriteKV": write_handler}
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)
+        )
+
+    @map_errors
+    async def WriteKV(
+        self, request: engine_pb2.WriteKVRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.WriteKVResponse]:
+        from engine_shim.kv_nixl_receiver import KVWriteSink, receive_write  # imports this file
+
+        sink = cast(KVWriteSink, self._sink)
+        async for event in receive_write(request, self._table, self._nixl(), sink):
+            yield event
 
     @map_errors
     async def PushKV(  # type: ignore[override]

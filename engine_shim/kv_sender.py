@@ -24,7 +24,7 @@ from engine_shim.kv_codec import bytes_per_token, encode_chunk_request, split_ch
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2
 
-_PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
+PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
@@ -32,6 +32,7 @@ _PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 
 
 _PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
+_WRITE_KV_METHOD = "/microserving.v1.KVTransfer/WriteKV"
 
 
 def _pass_through(message: bytes) -> bytes:
@@ -45,25 +46,42 @@ class PeerChannels:
     def __init__(self, transport: TransportSettings) -> None:
         self._transport = transport
         self._stubs: dict[str, aio.StreamUnaryMultiCallable] = {}
-        self._channels: list[aio.Channel] = []
+        self._write_stubs: dict[str, aio.UnaryStreamMultiCallable] = {}
+        self._channels: dict[str, aio.Channel] = {}
+
+    def _channel(self, address: str) -> aio.Channel:
+        channel = self._channels.get(address)
+        if channel is None:
+            channel = self._channels[address] = create_channel(address, self._transport)
+        return channel
 
     def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
         stub = self._stubs.get(address)
         if stub is None:
-            channel = create_channel(address, self._transport)
-            self._channels.append(channel)
-            stub = self._stubs[address] = channel.stream_unary(
+            stub = self._stubs[address] = self._channel(address).stream_unary(
                 _PUSH_KV_METHOD,
                 request_serializer=_pass_through,
                 response_deserializer=engine_pb2.PushKVResponse.FromString,
             )
         return stub
 
+    def write_stub(self, address: str) -> aio.UnaryStreamMultiCallable:
+        """KVTransfer.WriteKV of the peer (the handshake of a NIXL write)."""
+        stub = self._write_stubs.get(address)
+        if stub is None:
+            stub = self._write_stubs[address] = self._channel(address).unary_stream(
+                _WRITE_KV_METHOD,
+                request_serializer=engine_pb2.WriteKVRequest.SerializeToString,
+                response_deserializer=engine_pb2.WriteKVResponse.FromString,
+            )
+        return stub
+
     async def close(self) -> None:
-        for channel in self._channels:
+        for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+        self._write_stubs.clear()
 
 
 class _Progress:
@@ -121,7 +139,7 @@ async def push_kv(
     except aio.AioRpcError as error:
         if progress.error is not None:
             raise progress.error from None
-        error_type = _PEER_ERRORS.get(error.code(), UnavailableError)
+        error_type = PEER_ERRORS.get(error.code(), UnavailableError)
         raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
     finally:
         await chunks.aclose()  # type: ignore[attr-defined]

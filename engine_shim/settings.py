@@ -67,6 +67,22 @@ class ShimSettings(BaseSettings):
     kv_push_chunk_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest KV payload of one PushKV message."
     )
+    kv_transport: Literal["auto", "nixl", "shm", "grpc"] = Field(
+        "auto",
+        description="How KV moves between embedded shims, chosen per peer from what the "
+        "receiver offers: auto = NIXL where it loads (UCX: device to device on GPUs, host "
+        "memory on the CPU, TCP or RDMA across hosts), else the same-host shared-memory "
+        "stage, else the gRPC stream; nixl = NIXL or gRPC (NIXL must load); shm = shared "
+        "memory or gRPC; grpc = the gRPC stream only.",
+    )
+    kv_write_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        le=120,
+        description="A NIXL write (claim, transfer, the receiver's confirmation) that takes "
+        "longer fails with UNAVAILABLE and is cancelled; a receiver whose reservation ends "
+        "mid-write holds its pages back this long.",
+    )
     kv_shm: bool = Field(
         True,
         description="Move KV through shared memory (memfd stages) when sender and receiver "

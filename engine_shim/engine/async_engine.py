@@ -8,6 +8,7 @@ Closing or cancelling a stream aborts its request, so a client that goes away fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -173,6 +174,47 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda core: core.abort(request_id))
 
+    @property
+    def kv_pool(self) -> torch.Tensor | None:
+        """The KV pool (kv_cache.py's layout), for a transfer engine to register; peers write
+        only slots a reservation handed out (begin_kv_write), and read only held sends'.
+        None for a core without one (the benchmark-only synthetic core)."""
+        if self._core is None:
+            raise UnavailableError("engine is not running")
+        kv_cache = getattr(self._core, "kv_cache", None)
+        return None if kv_cache is None else kv_cache.kv
+
+    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        await self._call(lambda core: core.begin_kv_write(request_id, write_ends_at))
+
+    async def finish_kv_write(self, request_id: str) -> None:
+        await self._call(lambda core: core.finish_kv_write(request_id))
+
+    @contextlib.asynccontextmanager
+    async def held_send(
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int
+    ) -> AsyncIterator[list[int]]:
+        """Compute KV of prompt[:end] and hold the job's pages: yields the pool slots of
+        [begin, end), which a transfer engine reads in place; on exit the job is released
+        (its pages to the prefix cache after a clean exit, freed otherwise)."""
+        ids = list(token_ids)
+        stream = self._open_stream(self._send_queues, request_id)
+        is_released = True
+        try:
+            await self._start(lambda core: core.remote_send(request_id, ids, begin, end), request_id)
+            is_released = False
+            item = await stream.get()
+            if isinstance(item, BaseException):
+                is_released = True
+                raise item
+            yield await self._call(lambda core: core.send_slots(request_id))
+            is_released = True
+            await self._call(lambda core: core.finish_remote_send(request_id))
+        finally:
+            self._close_stream(self._send_queues, request_id, stream)
+            if not is_released:
+                self._submit_nowait(lambda core: core.abort(request_id))
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
     ) -> AsyncIterator[GenerateOutput]:
@@ -335,7 +377,8 @@ class AsyncEngine:
                 item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
             except queue.Empty:
                 if block:
-                    core.reap_expired_reservations()
+                    core.reap_expired_reservations()  # and fences past their end
+                    self._status = core.status()  # what they freed shows in GetStatus
                 return True
             if item is _STOP:
                 return False

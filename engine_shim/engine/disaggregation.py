@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# Past a writer's declared end: data its transport still had in flight when it cancelled.
+WRITE_FENCE_MARGIN_S = 1.0
+
 
 @dataclass(frozen=True)
 class SendReady:
@@ -69,6 +72,18 @@ class Reservation:
     block_table: list[int]
     expires_at: float
     imported: bytearray = field(default_factory=bytearray)  # 1 per position in [matched, end)
+    # Set while a peer may write the pages itself (begin_kv_write): the monotonic time by
+    # which its write has ended, by the bound it declared. Released pages are fenced till then.
+    write_ends_at: float | None = None
+
+
+@dataclass(frozen=True)
+class Fence:
+    """Pages of a reservation that ended while a peer may still have been writing them
+    itself: free again only at `release_at`, so a late write cannot land in reused pages."""
+
+    release_at: float
+    pages: list[int]
 
 
 @dataclass(eq=False)
@@ -91,6 +106,7 @@ class DisaggregationOps:
     _requests: dict[str, GenerateRequest]
     _sends: dict[str, SendJob]
     _reservations: dict[str, Reservation]
+    _fences: list[Fence]
 
     if TYPE_CHECKING:  # provided by LLMEngine
 
@@ -113,8 +129,11 @@ class DisaggregationOps:
         def _drop_seq(self, seq: Sequence) -> None: ...
 
     def next_deadline(self) -> float | None:
-        """Monotonic time of the earliest reservation expiry (the async loop sleeps until it)."""
-        return min((r.expires_at for r in self._reservations.values()), default=None)
+        """Monotonic time of the earliest reservation expiry or fence end (the async loop
+        sleeps until it)."""
+        times = [r.expires_at for r in self._reservations.values()]
+        times += [f.release_at for f in self._fences]
+        return min(times, default=None)
 
     def _check_reservation_covers(self, reservation: Reservation, ids: list[int], begin: int) -> None:
         if ids[: reservation.end] != reservation.token_ids[: reservation.end]:
@@ -165,6 +184,43 @@ class DisaggregationOps:
         segments = slot_segments(slots_for_positions(pages, self.page_size, matched, e))
         flat = [len(segments)] + [x for segment in segments for x in segment]
         return PrepRecvResult(request_id, e, matched, tuple(flat))
+
+    def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        """A peer is about to write [matched, end) of the reservation straight into its pages
+        (a one-sided transfer-engine write) and writes nothing after `write_ends_at`
+        (monotonic). Until finish_kv_write, an abort or expiry fences the pages until then
+        instead of freeing them."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
+        reservation.write_ends_at = write_ends_at
+
+    def finish_kv_write(self, request_id: str) -> None:
+        """The peer's write landed (its notification arrived): [matched, end) is imported."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None or reservation.write_ends_at is None:
+            raise NotFoundError(f"no KV write in progress for request {request_id!r}")
+        reservation.write_ends_at = None
+        reservation.imported[:] = b"\x01" * len(reservation.imported)
+
+    def _release_reservation(self, reservation: Reservation) -> None:
+        if reservation.write_ends_at is None:
+            self.block_manager.release(reservation.block_table)
+            return
+        now = time.monotonic()
+        release_at = max(now, reservation.write_ends_at) + WRITE_FENCE_MARGIN_S
+        logger.info(
+            "reservation %s ended during a peer's write; its %d pages are fenced for %.1f s",
+            reservation.request_id, len(reservation.block_table), release_at - now,
+        )
+        self._fences.append(Fence(release_at, reservation.block_table))
+
+    def release_fences(self, now: float | None = None) -> None:
+        now = time.monotonic() if now is None else now
+        ended = [f for f in self._fences if f.release_at <= now]
+        for fence in ended:
+            self._fences.remove(fence)
+            self.block_manager.release(fence.pages)
 
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         reservation = self._reservations.get(request_id)
@@ -230,6 +286,14 @@ class DisaggregationOps:
         data = self.kv_cache.export_slots(slots, out)
         return KVChunk(begin=begin, num_tokens=num_tokens, data=data)
 
+    def send_slots(self, request_id: str) -> list[int]:
+        """Slots of a ready job's [begin, end) in the pool, with the device's work on them
+        finished: a transfer engine may read them from here until finish_remote_send."""
+        job = self._ready_job(request_id)
+        if self.kv_cache.kv.is_cuda:
+            torch.cuda.synchronize(self.kv_cache.kv.device)  # the engine wrote them async
+        return slots_for_positions(job.seq.block_table, self.page_size, job.begin, job.end)
+
     def finish_remote_send(self, request_id: str) -> None:
         """Release a job after its KV went out: its computed pages go to the prefix cache."""
         job = self._sends.pop(request_id, None)
@@ -246,6 +310,8 @@ class DisaggregationOps:
 
     def reap_expired_reservations(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
+        if self._fences:
+            self.release_fences(now)
         expired = [r.request_id for r in self._reservations.values() if r.expires_at <= now]
         for request_id in expired:
             logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)

@@ -37,6 +37,7 @@ from .cuda_graphs import Feed
 from .disaggregation import (
     DisaggregationOps,
     EngineEvent,
+    Fence,
     Reservation,
     SendFailed,
     SendJob,
@@ -98,6 +99,7 @@ class LLMEngine(DisaggregationOps):
         self._requests: dict[str, GenerateRequest] = {}
         self._sends: dict[str, SendJob] = {}
         self._reservations: dict[str, Reservation] = {}
+        self._fences: list[Fence] = []
         self._events: list[EngineEvent] = []
         # Step pipelining (EngineConfig.overlap_steps): the batch whose forward is running on
         # the device, and the requests whose text waits to be decoded while it runs.
@@ -213,7 +215,7 @@ class LLMEngine(DisaggregationOps):
         reservation = self._reservations.pop(request_id, None)
         if reservation is not None:
             found = True
-            self.block_manager.release(reservation.block_table)
+            self._release_reservation(reservation)
         return found
 
     # ---- the step ----

@@ -630,6 +630,106 @@ class GetStatusResponse(_message.Message):
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
 
 @_typing.final
+class WriteKVRequest(_message.Message):
+    """Input of KVTransfer.WriteKV."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESERVATION_TOKEN_FIELD_NUMBER: _builtins.int
+    LAYOUT_FIELD_NUMBER: _builtins.int
+    SENDER_AGENT_FIELD_NUMBER: _builtins.int
+    OFFER_DIGEST_FIELD_NUMBER: _builtins.int
+    WRITE_DEADLINE_MS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Id of the request whose reservation receives the KV."""
+    reservation_token: _builtins.str
+    """The reservation token from the receiver's kv_addr_info."""
+    sender_agent: _builtins.str
+    """Name of the sender's transfer-engine agent: the receiver completes the reservation only
+    on a notification from this agent.
+    """
+    offer_digest: _builtins.str
+    """SHA-256 (hex) of the write offer in kv_addr_info that the sender writes by: proves the
+    addresses it will write are the ones the receiver gave out for this reservation.
+    """
+    write_deadline_ms: _builtins.int
+    """The sender writes nothing later than this many milliseconds after it sent this request
+    (it cancels a write still running then). The receiver holds the reservation's pages back
+    at least that long when the call ends without `done`.
+    """
+    @_builtins.property
+    def layout(self) -> Global___KVLayout:
+        """The sender's KV layout; must equal the receiver's."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reservation_token: _builtins.str = ...,
+        layout: Global___KVLayout | None = ...,
+        sender_agent: _builtins.str = ...,
+        offer_digest: _builtins.str = ...,
+        write_deadline_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["layout", b"layout", "offer_digest", b"offer_digest", "request_id", b"request_id", "reservation_token", b"reservation_token", "sender_agent", b"sender_agent", "write_deadline_ms", b"write_deadline_ms"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WriteKVRequest: _TypeAlias = WriteKVRequest  # noqa: Y015
+
+@_typing.final
+class KVWriteReady(_message.Message):
+    """The receiver expects the write: the sender may now write the reserved slots."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVWriteReady: _TypeAlias = KVWriteReady  # noqa: Y015
+
+@_typing.final
+class WriteKVResponse(_message.Message):
+    """One event of a WriteKV stream: `ready`, then `done`."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    READY_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def ready(self) -> Global___KVWriteReady:
+        """The reservation is claimed for this sender."""
+
+    @_builtins.property
+    def done(self) -> Global___PushKVResponse:
+        """The notification arrived: the KV is in the receiver's pool."""
+
+    def __init__(
+        self,
+        *,
+        ready: Global___KVWriteReady | None = ...,
+        done: Global___PushKVResponse | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "event", b"event", "ready", b"ready"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "event", b"event", "ready", b"ready"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["ready", "done"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___WriteKVResponse: _TypeAlias = WriteKVResponse  # noqa: Y015
+
+@_typing.final
 class KVPushHeader(_message.Message):
     """The first message of a PushKV stream."""
 

@@ -354,6 +354,11 @@ class KVTransferStub:
                 request_serializer=microserving_dot_v1_dot_engine__pb2.PushKVRequest.SerializeToString,
                 response_deserializer=microserving_dot_v1_dot_engine__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.WriteKV = channel.unary_stream(
+                '/microserving.v1.KVTransfer/WriteKV',
+                request_serializer=microserving_dot_v1_dot_engine__pb2.WriteKVRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_engine__pb2.WriteKVResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -372,6 +377,20 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WriteKV(self, request, context):
+        """The handshake of a one-sided write (NIXL): the sender itself writes the KV into the
+        reserved slots the receiver described in its kv_addr_info. The request claims the
+        reservation; the receiver answers `ready` once it expects the write (the sender writes
+        only after it), then `done` once the transfer engine's notification says the KV has
+        landed. A call that ends any other way aborts the reservation, whose pages the receiver
+        holds back for a fence period in case a write is still landing. Codes as for PushKV;
+        INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
+        made.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -379,6 +398,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.PushKV,
                     request_deserializer=microserving_dot_v1_dot_engine__pb2.PushKVRequest.FromString,
                     response_serializer=microserving_dot_v1_dot_engine__pb2.PushKVResponse.SerializeToString,
+            ),
+            'WriteKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.WriteKV,
+                    request_deserializer=microserving_dot_v1_dot_engine__pb2.WriteKVRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_engine__pb2.WriteKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -410,6 +434,33 @@ class KVTransfer:
             '/microserving.v1.KVTransfer/PushKV',
             microserving_dot_v1_dot_engine__pb2.PushKVRequest.SerializeToString,
             microserving_dot_v1_dot_engine__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/microserving.v1.KVTransfer/WriteKV',
+            microserving_dot_v1_dot_engine__pb2.WriteKVRequest.SerializeToString,
+            microserving_dot_v1_dot_engine__pb2.WriteKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

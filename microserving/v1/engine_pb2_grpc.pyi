@@ -210,6 +210,16 @@ class KVTransferStub:
     layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
     expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
     """
+    WriteKV: _grpc.UnaryStreamMultiCallable[_engine_pb2.WriteKVRequest, _engine_pb2.WriteKVResponse]
+    """The handshake of a one-sided write (NIXL): the sender itself writes the KV into the
+    reserved slots the receiver described in its kv_addr_info. The request claims the
+    reservation; the receiver answers `ready` once it expects the write (the sender writes
+    only after it), then `done` once the transfer engine's notification says the KV has
+    landed. A call that ends any other way aborts the reservation, whose pages the receiver
+    holds back for a fence period in case a write is still landing. Codes as for PushKV;
+    INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
+    made.
+    """
 
 @_typing.type_check_only
 class KVTransferAsyncStub(KVTransferStub):
@@ -224,6 +234,16 @@ class KVTransferAsyncStub(KVTransferStub):
     receiver writes them into the slots its PrepRecv reserved. FAILED_PRECONDITION when the
     layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
     expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
+    """
+    WriteKV: _aio.UnaryStreamMultiCallable[_engine_pb2.WriteKVRequest, _engine_pb2.WriteKVResponse]  # type: ignore[assignment]
+    """The handshake of a one-sided write (NIXL): the sender itself writes the KV into the
+    reserved slots the receiver described in its kv_addr_info. The request claims the
+    reservation; the receiver answers `ready` once it expects the write (the sender writes
+    only after it), then `done` once the transfer engine's notification says the KV has
+    landed. A call that ends any other way aborts the reservation, whose pages the receiver
+    holds back for a fence period in case a write is still landing. Codes as for PushKV;
+    INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
+    made.
     """
 
 class KVTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -242,6 +262,22 @@ class KVTransferServicer(metaclass=_abc_1.ABCMeta):
         receiver writes them into the slots its PrepRecv reserved. FAILED_PRECONDITION when the
         layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
         expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
+        """
+
+    @_abc_1.abstractmethod
+    def WriteKV(
+        self,
+        request: _engine_pb2.WriteKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.WriteKVResponse], _abc.AsyncIterator[_engine_pb2.WriteKVResponse]]:
+        """The handshake of a one-sided write (NIXL): the sender itself writes the KV into the
+        reserved slots the receiver described in its kv_addr_info. The request claims the
+        reservation; the receiver answers `ready` once it expects the write (the sender writes
+        only after it), then `done` once the transfer engine's notification says the KV has
+        landed. A call that ends any other way aborts the reservation, whose pages the receiver
+        holds back for a fence period in case a write is still landing. Codes as for PushKV;
+        INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
+        made.
         """
 
 def add_KVTransferServicer_to_server(servicer: KVTransferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

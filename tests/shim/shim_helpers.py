@@ -41,13 +41,21 @@ def subprocess_env() -> dict[str, str]:
 class ServiceProcess:
     """A subprocess that prints `... listening on HOST:PORT` once it serves."""
 
-    def __init__(self, args: list[str], log_path: Path) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        prefix: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`prefix` runs the process through another command (e.g. `ip netns exec NS`, which
+        execs it, so the pid stays the service's); `env` adds variables."""
         self.log_path = log_path  # the process's stderr (its log lines)
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "microserving.cli", *args],
+            [*prefix, sys.executable, "-m", "microserving.cli", *args],
             cwd=REPO_ROOT,
-            env=subprocess_env(),
+            env={**subprocess_env(), **(env or {})},
             stdout=subprocess.PIPE,
             stderr=self._log,
         )
@@ -175,3 +183,13 @@ async def wait_for_free_pages(
         await asyncio.sleep(0.02)
         seen = await free_pages(stub)
     return seen
+
+
+async def logged_path(shim: ServiceProcess, request_id: str) -> str:
+    """The path= (nixl, shm, grpc) a sender logged for `request_id`'s RemoteSend ("" if none)."""
+    for _ in range(100):  # the line reaches the file right after the call returns
+        for line in shim.log_text().splitlines():
+            if f"RemoteSend {request_id}:" in line:
+                return line.rsplit("path=", 1)[1].strip()
+        await asyncio.sleep(0.02)
+    return ""

@@ -1,6 +1,6 @@
 """The same-host shared-memory KV path between two real shim processes: PD carries the tokens
-exactly through it (P logs path=shm), either side with --kv-shm false falls back to the gRPC
-stream, the receiver still refuses a mismatched layout before staged KV lands in its pool, a
+exactly through it (P logs path=shm; P runs with --kv-transport shm, since the default
+prefers NIXL where it loads), either side with --kv-shm false falls back to the gRPC stream, the receiver still refuses a mismatched layout before staged KV lands in its pool, a
 push that breaks off frees its pages and retires its segment, and segments are memfds that
 leave no name in /dev/shm, before or after their shim stops."""
 
@@ -42,7 +42,17 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
-    shim = start_shim(tmp_path_factory.mktemp("shm-off"), "shm-off", "--kv-shm", "false")
+    shim = start_shim(
+        tmp_path_factory.mktemp("shm-off"), "shm-off", "--kv-shm", "false", "--kv-transport", "shm"
+    )
+    yield shim
+    shim.stop()
+
+
+@pytest.fixture(scope="module")
+def shm_prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+    """A sender that uses shared memory where offered (not NIXL)."""
+    shim = start_shim(tmp_path_factory.mktemp("shm-p"), "shm-p", "--kv-transport", "shm")
     yield shim
     shim.stop()
 
@@ -65,14 +75,14 @@ async def _logged_path(shim: ServiceProcess, request_id: str) -> str:
     return ""
 
 
-async def test_pd_through_shared_memory_matches_single_shim(prefill_shim, decode_shim):
+async def test_pd_through_shared_memory_matches_single_shim(shm_prefill_shim, decode_shim):
     tokens = [t + 120 for t in PROMPT]
-    expected = await generate_alone(prefill_shim.address, "shm-alone", tokens)
-    ids, info = await _pd(prefill_shim, decode_shim, "shm-pd", tokens)
+    expected = await generate_alone(shm_prefill_shim.address, "shm-alone", tokens)
+    ids, info = await _pd(shm_prefill_shim, decode_shim, "shm-pd", tokens)
     assert info["shm"]["host"] == host_identity()
     assert info["shm"]["pid"] == decode_shim.proc.pid
     assert info["shm"]["fd"] in stage_fds(decode_shim.proc.pid)
-    assert await _logged_path(prefill_shim, "shm-pd") == "shm"
+    assert await _logged_path(shm_prefill_shim, "shm-pd") == "shm"
     assert len(expected) == 16 and ids == expected
 
 
@@ -207,20 +217,20 @@ def _stage_inodes(pid: int) -> set[int]:
 
 
 async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
-    prefill_shim, decode_shim, tmp_path: Path
+    shm_prefill_shim, decode_shim, tmp_path: Path
 ):
     before = _names_in_dev_shm()
     receiver = start_shim(tmp_path, "receiver")
     try:
-        _, info = await _pd(prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
-        assert await _logged_path(prefill_shim, "lifetime-pd") == "shm"
+        _, info = await _pd(shm_prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
+        assert await _logged_path(shm_prefill_shim, "lifetime-pd") == "shm"
         stage = os.stat(f"/proc/{receiver.proc.pid}/fd/{info['shm']['fd']}").st_ino
-        assert stage in _stage_inodes(prefill_shim.proc.pid)  # P keeps it mapped for reuse
+        assert stage in _stage_inodes(shm_prefill_shim.proc.pid)  # P keeps it mapped for reuse
         assert _names_in_dev_shm() == before  # memfds: nothing named that could leak
     finally:
         assert receiver.stop() == 0  # SIGTERM: drained and stopped cleanly
     # P lets go of the gone receiver's segment at its next push (to another receiver).
-    await _pd(prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
-    assert await _logged_path(prefill_shim, "after-lifetime") == "shm"
-    assert stage not in _stage_inodes(prefill_shim.proc.pid)
+    await _pd(shm_prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
+    assert await _logged_path(shm_prefill_shim, "after-lifetime") == "shm"
+    assert stage not in _stage_inodes(shm_prefill_shim.proc.pid)
     assert _names_in_dev_shm() == before

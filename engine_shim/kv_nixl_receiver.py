@@ -1,0 +1,76 @@
+"""The receiving side of a NIXL write (KVTransfer.WriteKV): claim the reservation for the
+sender's agent, tell the sender to write, complete the reservation on the agent's
+notification. A call that ends any other way aborts the reservation; the engine then holds
+its pages back until the sender's declared write deadline has passed
+(disaggregation.begin_kv_write), so a late write cannot land in reused pages."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from engine_shim.convert import layout_from_pb
+from engine_shim.engine.api import InvalidRequestError, KVLayout, UnavailableError
+from engine_shim.kv_nixl import NixlPlane
+from engine_shim.kv_receiver import ReceiveTable, check_layout
+from microserving.v1 import engine_pb2
+
+# A sender may not declare a longer write than this (its pages would be fenced as long).
+MAX_WRITE_DEADLINE_MS = 120_000
+
+
+class KVWriteSink(Protocol):
+    @property
+    def kv_layout(self) -> KVLayout: ...
+
+    async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None: ...
+
+    async def finish_kv_write(self, request_id: str) -> None: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+
+async def receive_write(
+    request: engine_pb2.WriteKVRequest,
+    table: ReceiveTable,
+    plane: NixlPlane | None,
+    sink: KVWriteSink,
+) -> AsyncIterator[engine_pb2.WriteKVResponse]:
+    """WriteKV's events: ready, then done."""
+    if plane is None:
+        raise InvalidRequestError("this shim offers no NIXL writes (see --kv-transport)")
+    if not 0 < request.write_deadline_ms <= MAX_WRITE_DEADLINE_MS:
+        raise InvalidRequestError(f"write_deadline_ms must be in (0, {MAX_WRITE_DEADLINE_MS}]")
+    write_ends_at = time.monotonic() + request.write_deadline_ms / 1e3
+    check_layout(layout_from_pb(request.layout), sink.kv_layout)
+    ticket = table.claim(request.request_id, request.reservation_token)
+    tag = request.reservation_token.encode()
+    try:
+        if ticket.write_digest is None or not secrets.compare_digest(
+            ticket.write_digest, request.offer_digest
+        ):
+            raise InvalidRequestError("the write offer quoted is not the one this reservation made")
+        landed = plane.expect(request.sender_agent, tag)
+        await sink.begin_kv_write(request.request_id, write_ends_at)
+        yield engine_pb2.WriteKVResponse(ready=engine_pb2.KVWriteReady())
+        try:
+            await asyncio.wait_for(landed, max(0.0, write_ends_at - time.monotonic()))
+        except TimeoutError:
+            raise UnavailableError("the sender's KV write did not land by its deadline") from None
+        await sink.finish_kv_write(request.request_id)
+    except BaseException:
+        # Refused, broken off, cancelled or late: nothing stays reserved (pages fenced).
+        plane.forget(tag)
+        table.close(request.request_id)
+        await sink.abort(request.request_id)
+        raise
+    table.finish(ticket)
+    num_tokens = ticket.end - ticket.begin
+    done = engine_pb2.PushKVResponse(
+        num_tokens_written=num_tokens,
+        num_bytes_written=num_tokens * plane.region.slot_bytes * plane.region.num_planes,
+    )
+    yield engine_pb2.WriteKVResponse(done=done)

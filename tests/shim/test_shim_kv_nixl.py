@@ -1,0 +1,233 @@
+"""The NIXL KV path between two real shim processes (UCX, host memory): it is the default
+where NIXL loads and PD through it matches one shim alone; the receiver refuses a write that
+quotes another offer or layout, completes a reservation only on the claimed agent's
+notification, and fences the pages of a write that breaks off, then frees them; a dead or
+stalled receiver ends RemoteSend with a clear code and the sender's pages come back."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import secrets
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from shim_helpers import (
+    PROMPT,
+    ServiceProcess,
+    engine_stub,
+    free_pages,
+    generate,
+    generate_alone,
+    greedy,
+    logged_path,
+    pd_flow,
+    start_shim,
+    wait_for_free_pages,
+)
+
+from engine_shim.kv_nixl import load_nixl
+from microserving.v1 import engine_pb2, engine_pb2_grpc
+
+NIXL, WHY_NOT = load_nixl()
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]
+
+
+async def _reserve(stub, request_id: str, tokens: list[int]) -> dict:
+    prep = await stub.PrepRecv(
+        engine_pb2.PrepRecvRequest(request_id=request_id, token_ids=tokens, end=-1, sampling=greedy())
+    )
+    return json.loads(prep.kv_addr_info)
+
+
+def _write_request(info: dict, sender_agent: str, **changes: object) -> engine_pb2.WriteKVRequest:
+    """A WriteKV claim as a sender builds it (digest from the shim's own KVAddrInfo)."""
+    from engine_shim.kv_addr import KVAddrInfo
+
+    layout = engine_pb2.KVLayout(**info["layout"])
+    fields: dict[str, object] = {
+        "request_id": info["request_id"],
+        "reservation_token": info["reservation_token"],
+        "layout": layout,
+        "sender_agent": sender_agent,
+        "offer_digest": KVAddrInfo.decode(json.dumps(info).encode()).write_digest(),
+        "write_deadline_ms": 4000,
+    }
+    fields.update(changes)
+    return engine_pb2.WriteKVRequest(**fields)
+
+
+def _kv_stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.KVTransferAsyncStub:
+    return engine_pb2_grpc.KVTransferStub(channel)  # type: ignore[return-value]
+
+
+async def test_pd_through_nixl_is_the_default_and_matches_single_shim(prefill_shim, decode_shim):
+    tokens = [10 + (i * 7) % 200 for i in range(300)]  # 19 pages
+    expected = await generate_alone(prefill_shim.address, "nixl-alone", tokens)
+    ids, prep, sent = await pd_flow(prefill_shim.address, decode_shim.address, "nixl-pd", tokens)
+    info = json.loads(prep.kv_addr_info)
+    assert info["nixl"]["mem_type"] == "DRAM" and info["nixl"]["agent"]
+    assert await logged_path(prefill_shim, "nixl-pd") == "nixl"
+    assert sent is not None and sent.num_tokens_sent == 299 - prep.prefix_matched_length
+    assert len(expected) == 16 and ids == expected
+    # A prompt sharing 12 pages with it: D holds them, only the rest moves (begin > 0).
+    longer = tokens[:200] + [t + 3 for t in tokens[200:]]
+    expected = await generate_alone(prefill_shim.address, "nixl-alone-2", longer)
+    ids, prep, sent = await pd_flow(prefill_shim.address, decode_shim.address, "nixl-pd-2", longer)
+    assert prep.prefix_matched_length == 192 and sent is not None
+    assert await logged_path(prefill_shim, "nixl-pd-2") == "nixl"
+    assert ids == expected
+
+
+@pytest.mark.parametrize(
+    ("change", "code"),
+    [
+        ({"offer_digest": "0" * 64}, grpc.StatusCode.INVALID_ARGUMENT),
+        ({"reservation_token": "f" * 32}, grpc.StatusCode.NOT_FOUND),
+        ({"write_deadline_ms": 0}, grpc.StatusCode.INVALID_ARGUMENT),
+    ],
+)
+async def test_a_write_claim_that_does_not_match_the_reservation_is_refused(
+    decode_shim, change, code
+):
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        info = await _reserve(stub, "nixl-refused", [t + 130 for t in PROMPT])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in _kv_stub(channel).WriteKV(_write_request(info, "w", **change)):
+                pass
+        await stub.Abort(engine_pb2.AbortRequest(request_id="nixl-refused"))
+        assert await wait_for_free_pages(stub, baseline, within_s=5) == baseline
+    assert refused.value.code() == code
+
+
+async def test_a_write_claim_of_another_layout_is_failed_precondition(decode_shim):
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        info = await _reserve(stub, "nixl-layout", [t + 131 for t in PROMPT])
+        layout = engine_pb2.KVLayout(**{**info["layout"], "head_dim": 7})
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in _kv_stub(channel).WriteKV(_write_request(info, "w", layout=layout)):
+                    pass
+        finally:
+            await stub.Abort(engine_pb2.AbortRequest(request_id="nixl-layout"))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+
+
+async def test_only_the_claimed_agents_notification_completes_the_reservation(decode_shim):
+    """The test is the sender: two agents of its own load D's metadata; the one not named in
+    the claim notifies first and completes nothing, then the claimed one does."""
+    claimed = NIXL.nixl_agent(f"test-claimed-{secrets.token_hex(3)}")
+    stranger = NIXL.nixl_agent(f"test-stranger-{secrets.token_hex(3)}")
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        tokens = [t + 132 for t in PROMPT]
+        info = await _reserve(stub, "nixl-notif", tokens)
+        metadata = base64.b64decode(info["nixl"]["metadata"])
+        for agent in (claimed, stranger):
+            assert agent.add_remote_agent(metadata).decode() == info["nixl"]["agent"]
+        call = _kv_stub(channel).WriteKV(_write_request(info, claimed.name))
+        assert (await call.read()).WhichOneof("event") == "ready"
+        stranger.send_notif(info["nixl"]["agent"], info["reservation_token"].encode())
+        read = asyncio.ensure_future(call.read())
+        done, _ = await asyncio.wait({read}, timeout=1.0)
+        assert not done  # a stranger's notification completes nothing
+        claimed.send_notif(info["nixl"]["agent"], info["reservation_token"].encode())
+        event = await asyncio.wait_for(read, timeout=30)
+        assert event.WhichOneof("event") == "done"
+        assert event.done.num_tokens_written == len(tokens) - 1
+        # Completed: D now generates over the window (the KV is whatever the pool held).
+        assert len(await generate(stub, "nixl-notif", tokens, begin=len(tokens) - 1)) == 16
+        assert await wait_for_free_pages(stub, baseline, within_s=5) == baseline
+
+
+async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_them(decode_shim):
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        info = await _reserve(stub, "nixl-broken", [t + 133 for t in PROMPT])
+        reserved = await free_pages(stub)
+        call = _kv_stub(channel).WriteKV(
+            _write_request(info, "gone-writer", write_deadline_ms=4000)
+        )
+        assert (await call.read()).WhichOneof("event") == "ready"
+        call.cancel()  # the sender vanished mid-write
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        for _ in range(250):
+            if status.num_reserved_requests == 0:
+                break
+            await asyncio.sleep(0.02)
+            status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        # The reservation is gone, but its pages are fenced: a late write may still land.
+        assert status.num_reserved_requests == 0
+        assert status.num_free_kv_pages == reserved < baseline
+        # After the writer's deadline (4 s) and the margin, they are free again.
+        assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
+
+
+@pytest.fixture()
+def lone_receiver(tmp_path: Path) -> Iterator[ServiceProcess]:
+    shim = start_shim(tmp_path, "lone-d", "--role", "decode")
+    yield shim
+    if shim.proc.poll() is None:
+        os.kill(shim.proc.pid, signal.SIGCONT)
+    shim.stop()
+
+
+async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
+    prefill_shim, lone_receiver
+):
+    d_channel, d_stub = engine_stub(lone_receiver.address)
+    p_channel, p_stub = engine_stub(prefill_shim.address)
+    async with d_channel, p_channel:
+        baseline = await free_pages(p_stub)
+        codes = []
+        for request_id, stop in (("nixl-stalled", signal.SIGSTOP), ("nixl-dead", signal.SIGKILL)):
+            tokens = [t + (134 if stop == signal.SIGSTOP else 135) for t in PROMPT]
+            prep = await d_stub.PrepRecv(
+                engine_pb2.PrepRecvRequest(
+                    request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
+                )
+            )
+            os.kill(lone_receiver.proc.pid, stop)
+            send = engine_pb2.RemoteSendRequest(
+                request_id=request_id, token_ids=tokens, begin=0, end=prep.end,
+                kv_addr_info=prep.kv_addr_info, sampling=greedy(),
+            )
+            started = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as failed:
+                await p_stub.RemoteSend(send, timeout=8.0)
+            codes.append((failed.value.code(), time.monotonic() - started))
+            if stop == signal.SIGSTOP:
+                os.kill(lone_receiver.proc.pid, signal.SIGCONT)
+            # The sender's pages (the send's own) come back either way.
+            assert await wait_for_free_pages(p_stub, baseline, within_s=10) == baseline
+    stalled, dead = codes
+    assert stalled[0] in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+    assert dead[0] == grpc.StatusCode.UNAVAILABLE and dead[1] < 8.0
+
+
+async def test_write_kv_on_a_shim_without_nixl_is_invalid(tmp_path: Path):
+    shim = start_shim(tmp_path, "grpc-only", "--kv-transport", "grpc")
+    try:
+        channel, stub = engine_stub(shim.address)
+        async with channel:
+            info = await _reserve(stub, "no-nixl", [t + 136 for t in PROMPT])
+            assert "nixl" not in info and "shm" not in info
+            info["nixl"] = None
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in _kv_stub(channel).WriteKV(_write_request(info, "w")):
+                    pass
+            await stub.Abort(engine_pb2.AbortRequest(request_id="no-nixl"))
+    finally:
+        shim.stop()
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
