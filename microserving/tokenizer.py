@@ -16,6 +16,8 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from microserving.token_bytes import token_bytes_table
+
 # Preset names that give the byte-level tokenizer (every model preset uses it).
 PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m", "llama-1b")
 
@@ -64,6 +66,7 @@ class Tokenizer:
         self._eos_token = eos_tokens[0] if eos_tokens else None
         self._chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._token_bytes: list[bytes] | None = None  # built on first use (whole vocabulary)
 
     # ---- construction ----
     @classmethod
@@ -135,6 +138,12 @@ class Tokenizer:
     def id_to_token_text(self, token_id: int) -> str:
         """The text of one token, for logprobs (a partial UTF-8 byte shows as U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)
+
+    def id_to_token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (part of a UTF-8 character for some tokens)."""
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes_table(self._backend)
+        return self._token_bytes[token_id]
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)

@@ -25,9 +25,14 @@ def _free_port(host: str) -> int:
         return int(sock.getsockname()[1])
 
 
-def _shim_command(model: str, model_lib: str | None, host: str, port: int, role: str) -> list[str]:
+def _shim_command(
+    model: str, model_lib: str | None, host: str, port: int, role: str, enable_prefix_cache: bool
+) -> list[str]:
+    # As MLC's serve: enable_prefix_cache=False starts engines with the prefix cache off (the
+    # tutorial relies on it: it always remote_sends from 0, so a cache hit would not fit).
     command = [sys.executable, "-m", "microserving.cli", "shim", "--model", model,
-               "--host", host, "--port", str(port), "--role", role]
+               "--host", host, "--port", str(port), "--role", role,
+               "--enable-prefix-cache", "true" if enable_prefix_cache else "false"]
     if model_lib:
         command += ["--backend", "mlc", "--mlc-model-lib", model_lib]
     else:
@@ -62,7 +67,7 @@ def serve(
     """Launch shims, the router and the gateway; Ctrl-C stops them all."""
     roles = _roles(router_mode, len(endpoint_ports))
     processes = [
-        start_process(_shim_command(model, model_lib, host, port, role))
+        start_process(_shim_command(model, model_lib, host, port, role, enable_prefix_cache))
         for host, port, role in zip(endpoint_hosts, endpoint_ports, roles, strict=True)
     ]
     grpc_port = _free_port(router_host)

@@ -1,6 +1,8 @@
 """`serve(...)` runs the MLC tutorial's CustomRouter as MLC's launcher does: one shim per
 endpoint, the router on a gRPC port of its own and the OpenAI gateway on router_port; an
-OpenAI completion through it gives the tokens one engine gives alone."""
+OpenAI completion through it gives the tokens one engine gives alone, also when the same
+prompt comes again (the tutorial remote_sends from 0, which fits only because serve() starts
+the engines without a prefix cache for enable_prefix_cache=False, as MLC's serve does)."""
 
 from __future__ import annotations
 
@@ -60,10 +62,12 @@ async def test_serve_runs_the_tutorial_router_behind_the_gateway() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, env=env,
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    prompt = "Serve me the tutorial."
+    prompt = "Serve me the tutorial, then serve it to me again."
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    url = f"http://127.0.0.1:{port}/v1/completions"
     try:
-        reply = _wait_completion(f"http://127.0.0.1:{port}/v1/completions",
-                                 {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0})
+        reply = _wait_completion(url, body)
+        again = httpx.post(url, json=body, timeout=60)
         want = await engine_alone(f"127.0.0.1:{p1}", Tokenizer.from_model("tiny").encode(prompt), greedy(8), "serve-alone")
     finally:
         os.killpg(process.pid, 15)
@@ -73,3 +77,5 @@ async def test_serve_runs_the_tutorial_router_behind_the_gateway() -> None:
             os.killpg(process.pid, 9)
     assert reply["usage"]["completion_tokens"] == len(want)
     assert reply["choices"][0]["text"] == Tokenizer.from_model("tiny").decode(want)
+    assert again.status_code == 200, again.text
+    assert again.json()["choices"][0]["text"] == reply["choices"][0]["text"]
