@@ -12,7 +12,6 @@ import re
 import socket
 import subprocess
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -199,3 +198,37 @@ def test_seeded_choices_of_two_requests_never_share_a_generator(client: openai.O
     first, second = texts(1), texts(2)
     assert texts(1) == first  # seeded: reproducible
     assert first[1] != second[0]  # seed 1's second choice is not seed 2's first
+
+
+# ---- logprobs of tokens that split a UTF-8 character ----
+# The tiny model's token i is the byte i: 0xE2 opens a three-byte character, so a token of
+# it alone is never whole text. A logit bias makes the model emit it.
+PARTIAL = {"226": 100}
+
+
+def test_completion_logprobs_show_partial_characters_as_bytes_without_collisions(
+        client: openai.OpenAI) -> None:
+    reply = client.completions.create(model="tiny", prompt="Bytes", max_tokens=3, logprobs=5,
+                                      temperature=0, logit_bias=PARTIAL)
+    logprobs = reply.choices[0].logprobs
+    assert logprobs is not None and logprobs.tokens == ["bytes:\\xe2"] * 3
+    assert logprobs.top_logprobs is not None
+    # Every alternative keeps its own key: single bytes >= 0x80 would all be U+FFFD as text.
+    assert all(len(top) == 5 for top in logprobs.top_logprobs)
+    free = client.completions.create(model="tiny", prompt="Bytes", max_tokens=8, logprobs=5,
+                                     temperature=0)
+    assert free.choices[0].logprobs is not None and free.choices[0].logprobs.top_logprobs is not None
+    assert all(len(top) == 5 for top in free.choices[0].logprobs.top_logprobs)
+
+
+def test_chat_logprob_bytes_are_the_tokens_raw_bytes(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Bytes"}], max_tokens=3,
+        temperature=0, logprobs=True, top_logprobs=20, logit_bias=PARTIAL)
+    content = reply.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and [entry.bytes for entry in content] == [[0xE2]] * 3
+    for entry in content:
+        alternatives = [tuple(alt.bytes or ()) for alt in entry.top_logprobs]
+        assert len(set(alternatives)) == 20 and (0xEF, 0xBF, 0xBD) not in alternatives
+        # bytes that open or continue a character, each as itself (not as U+FFFD's bytes)
+        assert any(len(raw) == 1 and raw[0] >= 0x80 for raw in alternatives)
