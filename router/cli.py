@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from router.router import Router
+from router.router_class import load_router_class
 from router.server import serve_forever
 from router.settings import load_settings
 
@@ -28,6 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="a DNS name re-resolved periodically, e.g. a headless Service (repeatable)")
     add("--engine-num-gpus", dest="engine_num_gpus", type=int, nargs="+", help="GPUs per --engine")
     add("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"])
+    add("--router-class", metavar="PACKAGE.MODULE:CLASS",
+        help="a Router subclass to run (e.g. my_router:CustomRouter, imported from PYTHONPATH)")
     add("--pd-balance-factor", type=float)
     add("--cache-aware", action="store_true", default=None)
     add("--model", help="'tiny' or a local Hugging Face model directory (for the tokenizer)")
@@ -80,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"microserving router: invalid settings: {exc}", file=sys.stderr)
         return 2
     try:
-        router = Router(settings=settings)
+        router_type = load_router_class(settings.router_class) if settings.router_class else Router
+        router = router_type(settings=settings)
     except ValueError as exc:
         print(f"microserving router: {exc}", file=sys.stderr)
         return 2
