@@ -107,7 +107,7 @@ class Tokenizer:
             backend,
             bos_token=bos,
             eos_tokens=(eos,) if eos else (),
-            chat_template=_chat_template_text(config.get("chat_template")),
+            chat_template=find_chat_template(path, config),
             extra_eos_token_ids=extra_eos,
         )
 
@@ -291,6 +291,18 @@ def _token_content(token: object) -> str | None:
     if isinstance(token, dict) and isinstance(token.get("content"), str):
         return str(token["content"])
     return None
+
+
+def find_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """The chat template wherever transformers writes it, in the order it reads them:
+    chat_template.jinja (transformers >= 4.50 / 5.x save_pretrained), chat_template.json
+    (processors: {"chat_template": ...}), then tokenizer_config.json's chat_template."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = _read_json(path / "chat_template.json")
+    return _chat_template_text(json_file.get("chat_template")) or _chat_template_text(
+        tokenizer_config.get("chat_template"))
 
 
 def _chat_template_text(template: object) -> str | None:
