@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from gateway.launcher import ManagedProcess
 from gateway.probe import is_grpc_serving, is_http_healthy
+from microserving.tokenizer import MODEL_HELP
 from microserving.transport import TransportSettings
 
 INTERNAL_HOST = "127.0.0.1"
@@ -57,7 +59,7 @@ def default_process_counts(num_cpus: int) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microserving up", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny (default) or a local HF directory")
+    parser.add_argument("--model", default="tiny", help=MODEL_HELP)
     parser.add_argument("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"],
                         help="orchestration pattern (default disagg; round-robin: engines that do both, 2 unless --engines N)")
     parser.add_argument("--engines", type=int, help="N engines that each do prefill and decode")
@@ -91,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: 1 per 8 CPUs, at most 4)")
     parser.add_argument("--shim-arg", action="append", default=[],
                         help="extra argument for every shim, e.g. --shim-arg=--backend=synthetic")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0,
+                        help="seconds every service together gets to become healthy")
     parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
     return parser
 
@@ -195,6 +198,21 @@ class StartupFailed(Exception):
     pass
 
 
+def check_ports_free(plan: StackPlan) -> None:
+    """Fails at once on a taken gateway or router port, not after the engines have loaded."""
+    for flag, host, port in (("--port", plan.host, plan.port),
+                             ("--router-port", INTERNAL_HOST, plan.router_port)):
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                raise StartupFailed(f"{host}:{port} ({flag}) is not free: {error.strerror}") from None
+
+
 class Stack:
     """The running children, in start order; `stop` ends them in reverse order."""
 
@@ -246,6 +264,7 @@ class Stack:
 
     def start(self) -> str:
         plan = self.plan
+        check_ports_free(plan)
         deadline_s = time.monotonic() + plan.startup_timeout_s
         shims = [self.spawn(f"{role}-{i}", shim_command(plan, role), "SHIM")
                  for i, role in enumerate(plan.roles)]

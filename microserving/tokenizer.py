@@ -20,6 +20,8 @@ from microserving.token_bytes import token_bytes_table
 
 # Preset names that give the byte-level tokenizer (every model preset uses it).
 PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m", "llama-1b")
+# The --model help of every command (one list of built-in models).
+MODEL_HELP = f"model preset ({', '.join(PRESET_NAMES)}; default tiny) or a local Hugging Face directory"
 
 # Byte tokens take ids 0..255 (id == byte value); the specials follow in this order.
 BYTE_SPECIAL_TOKENS: tuple[str, ...] = (

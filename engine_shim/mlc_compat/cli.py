@@ -13,11 +13,12 @@ import uvicorn
 from pydantic import ValidationError
 
 from engine_shim.mlc_compat.settings import MLCCompatSettings
+from microserving.tokenizer import MODEL_HELP
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microserving mlc-compat", description=__doc__)
-    parser.add_argument("--model", help="model preset (tiny, llama-100m) or local HF directory")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--host", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port; 0 picks a free one")
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
