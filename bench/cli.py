@@ -21,6 +21,7 @@ from bench.loadgen.benchmark import BenchConfig, run_and_save
 from bench.loadgen.distributions import parse_length_dist
 from bench.loadgen.runner import LoadShape
 from bench.loadgen.workload import SHORT_CHAT_INPUT, SHORT_CHAT_OUTPUT, WorkloadConfig
+from microserving.tokenizer import PRESET_NAMES
 
 # Other benchmarks reachable as `microserving bench NAME ...`: module with main(argv).
 SUBCOMMANDS = {
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000/v1")
     p.add_argument("--model", help="model id (default: the first of /v1/models)")
-    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    p.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
+                   help="/v1/completions (default) or /v1/chat/completions")
     load = p.add_mutually_exclusive_group(required=True)
     load.add_argument("--concurrency", type=int, help="closed loop: requests kept in flight")
     load.add_argument("--request-rate", type=float, help="open loop: Poisson arrivals (req/s; inf)")
@@ -68,14 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=2, help="requests sent first and not counted")
     p.add_argument("--dataset", default="synthetic", help="synthetic | short-chat | FILE.jsonl")
     p.add_argument("--input-len", type=_dist, help="prompt tokens: N, normal:M,S or uniform:L,H "
-                   f"(default 3000; short-chat {SHORT_CHAT_INPUT})")
+                   f"(default 3000, less when the served context is shorter; short-chat "
+                   f"{SHORT_CHAT_INPUT})")
     p.add_argument("--output-len", type=_dist, help="max_tokens per request, same syntax "
-                   f"(default 100; short-chat {SHORT_CHAT_OUTPUT})")
+                   f"(default 100, less when the served context is shorter; short-chat "
+                   f"{SHORT_CHAT_OUTPUT})")
     p.add_argument("--prompt-token-ids", action="store_true",
                    help="send prompts as token ids (exact lengths; completions endpoint)")
-    p.add_argument("--tokenizer", help="tiny | llama-100m | HF dir: cut prompts to exact lengths")
+    p.add_argument("--tokenizer", help="cut prompts to exact lengths in this model's tokens: "
+                   f"{' | '.join(PRESET_NAMES)} | a Hugging Face directory (default: the served "
+                   "model's, when it is one of these)")
     p.add_argument("--ignore-eos", action="store_true", help="ask for exactly max_tokens tokens")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature (default 0)")
     p.add_argument("--extra-body", type=_json_object, default={},
                    help='JSON merged into every request, e.g. \'{"debug_config": {}}\'')
     p.add_argument("--seed", type=int, default=0, help="seeds prompts, lengths and arrivals")
@@ -117,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         timeout_s=args.timeout_s,
         label=args.label,
         extra_body=args.extra_body,
+        fit_to_context=args.input_len is None and args.output_len is None,
     )
 
 
@@ -160,6 +167,10 @@ def bench_main(argv: list[str]) -> int:
     except (ValueError, OSError) as exc:
         print(f"microserving bench: {exc}", file=sys.stderr)
         return 1
+    workload = result["config"]["workload"]
+    print(f"workload: {workload['dataset']}, input {workload['input_len']}, output "
+          f"{workload['output_len']} tokens"
+          + (f" (in {workload['tokenizer']}'s tokens)" if workload["tokenizer"] else " (estimated)"))
     print(format_summary(result["summary"]))
     if args.out is not None:
         print(f"results: {args.out / 'results.json'}")

@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
+from microserving.tokenizer import MODEL_HELP
 
 logger = logging.getLogger("engine_shim")
 
@@ -22,7 +23,7 @@ logger = logging.getLogger("engine_shim")
 _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--backend", str, "embedded | mlc | synthetic (BENCHMARK ONLY: a model-free engine that "
      "emits tokens on a GPU step-time schedule; never a test of the engine)"),
-    ("--model", str, "model preset (tiny, llama-100m, llama-1b) or local Hugging Face directory"),
+    ("--model", str, MODEL_HELP),
     ("--host", str, "interface to bind (default 127.0.0.1)"),
     ("--port", int, "gRPC port; 0 picks a free one (the bound port is printed)"),
     ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),

@@ -77,13 +77,13 @@ def _logprob_to_pb(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=logprob.token_id,
         token=logprob.token,
-        token_bytes=logprob.token.encode("utf-8", "replace"),
+        token_bytes=logprob.token_bytes or logprob.token.encode(),
         logprob=logprob.logprob,
         top_logprobs=[
             common_pb2.TopLogprob(
                 token_id=top.token_id,
                 token=top.token,
-                token_bytes=top.token.encode("utf-8", "replace"),
+                token_bytes=top.token_bytes or top.token.encode(),
                 logprob=top.logprob,
             )
             for top in logprob.top

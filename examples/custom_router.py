@@ -2,7 +2,8 @@
 
 Only the import lines differ from the tutorial: a Router subclass overrides translate_request
 and runs prefill-decode disaggregation by hand with the three MicroServing calls (engine 0
-prefills, engine 1 decodes). The aiohttp session is the tutorial's; our helpers accept it and
+prefills, engine 1 decodes; remote_send always from 0, so the engines run without a prefix
+cache, as the tutorial's enable_prefix_cache=False starts them). The aiohttp session is the tutorial's; our helpers accept it and
 use the router's pooled gRPC channels instead.
 
 Run: python examples/custom_router.py   (then POST to http://127.0.0.1:9123/v1/completions)
@@ -22,44 +23,54 @@ class CustomRouter(Router):
     async def translate_request(
         self, request: openai_api_protocol.CompletionRequest, request_id: str
     ) -> AsyncGenerator[openai_api_protocol.CompletionResponse | None, Any]:
+        # we will pass request_id as an argument in microserving API calls
+        request.user = request_id
+
         async with aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=3 * 3600), trust_env=True
         ) as session:
-            # The decode engine computes only the last prompt token itself.
             decode_start = len(request.prompt) - 1
-
-            # 1. Ask the decode engine (engine 1) to reserve KV slots for prompt[:decode_start].
+            # 1. Ask decode engine to prepare KV entries to receive from prefill engine
             prep_recv_request = microserving_entrypoints.PrepRecvRequest(
                 **request.model_dump(), end=decode_start
             )
-            kv_addr_info, prefix_matched_length = await self.send_prepare_receive(
-                session=session, request=prep_recv_request, server_url=self.server_urls[1]
+            (
+                kv_addr_info,
+                _,
+            ) = await self.send_prepare_receive(
+                session=session,
+                request=prep_recv_request,
+                server_url=self.server_urls[1],  # engine 0 is prefill, engine 1 is decode
             )
-
-            # 2. The prefill engine (engine 0) computes the KV of
-            #    prompt[prefix_matched_length:decode_start] and writes it into those slots;
-            #    nothing to send when the decode engine already caches that window.
-            if prefix_matched_length < decode_start:
-                remote_send_request = microserving_entrypoints.RemoteSendRequest(
-                    **request.model_dump(),
-                    begin=prefix_matched_length,
-                    end=decode_start,
-                    kv_addr_info=kv_addr_info,
-                    recv_rank=self.device_id_starts[1],
-                )
-                await self.send_remote_send(
-                    session=session, request=remote_send_request, server_url=self.server_urls[0]
-                )
-
-            # 3. The decode engine prefills the last token and streams the generation.
+            # 2. Ask prefill engine to send KV to decode engine. Always from 0, as the
+            #    tutorial does: that needs enable_prefix_cache=False (serve() below), under
+            #    which prep_recv never reports a cached prefix.
+            remote_send_request = microserving_entrypoints.RemoteSendRequest(
+                **request.model_dump(),
+                begin=0,
+                end=decode_start,
+                kv_addr_info=kv_addr_info,
+                recv_rank=self.device_id_starts[1],  # the rank of decode engine
+            )
+            await self.send_remote_send(
+                session=session,
+                request=remote_send_request,
+                server_url=self.server_urls[0],  # prefill engine
+            )
+            # 3. Start decoding
             start_generate_request = microserving_entrypoints.StartGenerateRequest(
-                **request.model_dump(), begin=decode_start
+                **request.model_dump(),
+                begin=decode_start,
             )
             async for response in self.send_start_generate(
-                session=session, request=start_generate_request, server_url=self.server_urls[1]
+                session=session,
+                request=start_generate_request,
+                server_url=self.server_urls[1],
             ):
-                if len(response.choices) > 0 and response.choices[0].finish_reason == "preempt":
-                    yield None  # preempted: the router runs the request again
+                if len(response.choices) > 0:
+                    finish_reason = response.choices[0].finish_reason
+                    if finish_reason == "preempt":
+                        yield None
                 yield response
 
 

@@ -36,7 +36,9 @@ class ErrorKind:
 INVALID = ErrorKind(400, "invalid_request_error", "invalid_request")
 UNAUTHENTICATED = ErrorKind(401, "authentication_error", "invalid_api_key")
 NOT_FOUND = ErrorKind(404, "not_found_error", "model_not_found")
-TOO_LONG = ErrorKind(413, "invalid_request_error", "context_length_exceeded")
+# 400, as OpenAI and vLLM answer: the SDK raises BadRequestError and litellm recognises the
+# code as its ContextWindowExceededError.
+TOO_LONG = ErrorKind(400, "invalid_request_error", "context_length_exceeded")
 OVERLOADED = ErrorKind(429, "rate_limit_error", "rate_limit_exceeded")
 INTERNAL = ErrorKind(500, "internal_error", "internal_error")
 UNAVAILABLE = ErrorKind(503, "service_unavailable_error", "service_unavailable")
@@ -79,6 +81,27 @@ class GatewayError(Exception):
         return {"Retry-After": str(RETRY_AFTER_S)} if self.kind is OVERLOADED else {}
 
 
+# The router names the fields of its proto request; a client knows its JSON request's names.
+_CLIENT_PARAMS: dict[str, tuple[str, str]] = {  # router param -> (completions, chat)
+    "input": ("prompt", "messages"),
+    "text": ("prompt", "messages"),
+    "token_ids.ids": ("prompt", "messages"),
+    "chat.messages": ("prompt", "messages"),
+    "sampling.top_logprobs": ("logprobs", "top_logprobs"),
+    "sampling.max_tokens": ("max_tokens", "max_tokens"),
+    "request_id": ("user", "user"),
+}
+
+
+def client_param(param: str | None, *, is_chat: bool) -> str | None:
+    """The field of the client's request that a router (or gateway) param names."""
+    if param is None:
+        return None
+    if param in _CLIENT_PARAMS:
+        return _CLIENT_PARAMS[param][int(is_chat)]
+    return param.removeprefix("sampling.")
+
+
 def from_grpc(code: grpc.StatusCode, message: str, param: str = "") -> GatewayError:
     """The HTTP error for a gRPC status; unknown codes are internal errors."""
     kind = _BY_GRPC_CODE.get(code, INTERNAL)
@@ -109,6 +132,8 @@ def _param_of(loc: tuple[int | str, ...]) -> str | None:
 
 def _validation_error(exc: RequestValidationError) -> GatewayError:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+    if first.get("type") == "json_invalid":  # its loc is a character position, not a field
+        return GatewayError(INVALID, f"the body is not valid JSON: {first.get('msg', '')}")
     param = _param_of(tuple(first.get("loc", ())))
     message = str(first.get("msg", "invalid request"))
     message = f"{param}: {message}" if param else message
@@ -137,6 +162,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[GatewayError], None
 
     async def on_gateway_error(request: Request, exc: Exception) -> JSONResponse:
         assert isinstance(exc, GatewayError)  # registered for this type only
+        exc.param = client_param(exc.param, is_chat=request.url.path.endswith("/chat/completions"))
         return respond(exc)
 
     async def on_validation(request: Request, exc: Exception) -> JSONResponse:

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from fastapi.responses import JSONResponse
 from grpc import aio
 
-from gateway.errors import UNAVAILABLE, GatewayError, from_rpc_error
+from gateway.errors import NOT_FOUND, UNAVAILABLE, GatewayError, from_rpc_error
 from gateway.protocol.base import dump
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completion import CompletionRequest
@@ -37,16 +37,27 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     return await _state(request).chat.handle(body, request)
 
 
-@api.get("/models")
-async def list_models(request: Request) -> JSONResponse:
+async def _model_cards(request: Request) -> list[ModelCard]:
     state = _state(request)
     try:
         reply = await state.router.list_models()
     except aio.AioRpcError as error:
         raise from_rpc_error(error) from None
-    cards = [ModelCard(id=m.id, created=m.created, owned_by=m.owned_by or "microserving",
-                       max_model_len=m.max_context_length or None) for m in reply.models]
-    return JSONResponse(dump(ModelList(data=cards)))
+    return [ModelCard(id=m.id, created=m.created, owned_by=m.owned_by or "microserving",
+                      max_model_len=m.max_context_length or None) for m in reply.models]
+
+
+@api.get("/models")
+async def list_models(request: Request) -> JSONResponse:
+    return JSONResponse(dump(ModelList(data=await _model_cards(request))))
+
+
+@api.get("/models/{model_id:path}")  # :path: Hugging Face ids hold a slash ("org/name")
+async def retrieve_model(model_id: str, request: Request) -> JSONResponse:
+    for card in await _model_cards(request):
+        if card.id == model_id:
+            return JSONResponse(dump(card))
+    raise GatewayError(NOT_FOUND, f"the model {model_id!r} does not exist", "model")
 
 
 @ops.get("/health")

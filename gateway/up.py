@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 import threading
 import time
@@ -19,6 +20,7 @@ from dataclasses import dataclass
 
 from gateway.launcher import ManagedProcess
 from gateway.probe import is_grpc_serving, is_http_healthy
+from microserving.tokenizer import MODEL_HELP
 from microserving.transport import TransportSettings
 
 INTERNAL_HOST = "127.0.0.1"
@@ -57,13 +59,18 @@ def default_process_counts(num_cpus: int) -> tuple[int, int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microserving up", description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="tiny", help="tiny (default) or a local HF directory")
+    parser.add_argument("--model", default="tiny", help=MODEL_HELP)
     parser.add_argument("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"],
-                        help="orchestration pattern (default disagg; round-robin with --engines)")
+                        help="orchestration pattern (default disagg; round-robin: engines that do both, 2 unless --engines N)")
     parser.add_argument("--engines", type=int, help="N engines that each do prefill and decode")
     parser.add_argument("--prefill", type=int, help="prefill engines (default 1)")
     parser.add_argument("--decode", type=int, help="decode engines (default 1)")
     parser.add_argument("--pd-balance-factor", type=float, help="disagg: fraction D prefills")
+    parser.add_argument("--router-class", metavar="PACKAGE.MODULE:CLASS",
+                        help="a Router subclass the router runs (imported from PYTHONPATH or "
+                             "the working directory); engines in order: prefill, then decode")
+    parser.add_argument("--enable-prefix-cache", choices=["true", "false"],
+                        help="engines reuse KV of shared prompt prefixes (default true)")
     parser.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     parser.add_argument("--host", default="127.0.0.1", help="gateway bind address")
     parser.add_argument("--port", type=int, default=8000, help="gateway port; 0 picks one")
@@ -86,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: 1 per 8 CPUs, at most 4)")
     parser.add_argument("--shim-arg", action="append", default=[],
                         help="extra argument for every shim, e.g. --shim-arg=--backend=synthetic")
-    parser.add_argument("--startup-timeout-s", type=float, default=600.0)
+    parser.add_argument("--startup-timeout-s", type=float, default=600.0,
+                        help="seconds every service together gets to become healthy")
     parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
     return parser
 
@@ -103,6 +111,13 @@ def plan_from_args(argv: list[str]) -> StackPlan:
             parser.error(f"--pattern {args.pattern} needs --prefill/--decode engines")
         roles = ("both",) * args.engines
         pattern = "round-robin"
+    elif args.pattern == "round-robin":
+        # Round-robin never disaggregates: every engine does both, so a prefill-only engine
+        # would never get a request.
+        if args.prefill is not None or args.decode is not None:
+            parser.error("--pattern round-robin runs engines that do both: give --engines N")
+        roles = ("both",) * 2
+        pattern = "round-robin"
     else:
         num_prefill = 1 if args.prefill is None else args.prefill
         num_decode = 1 if args.decode is None else args.decode
@@ -118,6 +133,11 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     router_extra: tuple[str, ...] = ()
     if args.router_max_inflight is not None:
         router_extra = ("--max-inflight", str(args.router_max_inflight))
+    if args.router_class is not None:
+        router_extra += ("--router-class", args.router_class)
+    shim_extra: tuple[str, ...] = ()
+    if args.enable_prefix_cache is not None:
+        shim_extra = ("--enable-prefix-cache", args.enable_prefix_cache)
     token = os.environ.get("MICROSERVING_INTERNAL_TOKEN") if args.internal_token else None
     if args.internal_token and not token:
         parser.error("--internal-token needs MICROSERVING_INTERNAL_TOKEN in the environment")
@@ -134,7 +154,7 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
                      args.grace_s, transport, router_extra, tuple(args.api_key),
-                     gateway_workers, router_replicas, tuple(args.shim_arg))
+                     gateway_workers, router_replicas, tuple(args.shim_arg) + shim_extra)
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
@@ -176,6 +196,21 @@ def gateway_command(plan: StackPlan, router_address: str) -> list[str]:
 
 class StartupFailed(Exception):
     pass
+
+
+def check_ports_free(plan: StackPlan) -> None:
+    """Fails at once on a taken gateway or router port, not after the engines have loaded."""
+    for flag, host, port in (("--port", plan.host, plan.port),
+                             ("--router-port", INTERNAL_HOST, plan.router_port)):
+        if port == 0:
+            continue
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind
+            try:
+                sock.bind((host, port))
+            except OSError as error:
+                raise StartupFailed(f"{host}:{port} ({flag}) is not free: {error.strerror}") from None
 
 
 class Stack:
@@ -229,6 +264,7 @@ class Stack:
 
     def start(self) -> str:
         plan = self.plan
+        check_ports_free(plan)
         deadline_s = time.monotonic() + plan.startup_timeout_s
         shims = [self.spawn(f"{role}-{i}", shim_command(plan, role), "SHIM")
                  for i, role in enumerate(plan.roles)]

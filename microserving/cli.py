@@ -7,6 +7,7 @@ them and imports lazily, so `microserving gateway` never loads torch.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import sys
 
 # subcommand -> (module, one-line help)
@@ -20,8 +21,15 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("microserving-grpc")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout, not installed
+        return "unknown (not installed)"
+
+
 def _usage() -> str:
-    lines = ["usage: microserving <command> [options]", "", "commands:"]
+    lines = ["usage: microserving [--version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
     return "\n".join(lines)
 
@@ -30,6 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if not args or args[0] in ("-h", "--help"):
         print(_usage())
+        return 0
+    if args[0] in ("-V", "--version"):
+        print(f"microserving {_version()}")
         return 0
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:

@@ -16,8 +16,12 @@ import jinja2.sandbox
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
+from microserving.token_bytes import token_bytes_table
+
 # Preset names that give the byte-level tokenizer (every model preset uses it).
 PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m", "llama-1b")
+# The --model help of every command (one list of built-in models).
+MODEL_HELP = f"model preset ({', '.join(PRESET_NAMES)}; default tiny) or a local Hugging Face directory"
 
 # Byte tokens take ids 0..255 (id == byte value); the specials follow in this order.
 BYTE_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -64,6 +68,7 @@ class Tokenizer:
         self._eos_token = eos_tokens[0] if eos_tokens else None
         self._chat_template = chat_template
         self._template: jinja2.Template | None = None
+        self._token_bytes: list[bytes] | None = None  # built on first use (whole vocabulary)
 
     # ---- construction ----
     @classmethod
@@ -104,7 +109,7 @@ class Tokenizer:
             backend,
             bos_token=bos,
             eos_tokens=(eos,) if eos else (),
-            chat_template=_chat_template_text(config.get("chat_template")),
+            chat_template=find_chat_template(path, config),
             extra_eos_token_ids=extra_eos,
         )
 
@@ -135,6 +140,12 @@ class Tokenizer:
     def id_to_token_text(self, token_id: int) -> str:
         """The text of one token, for logprobs (a partial UTF-8 byte shows as U+FFFD)."""
         return self.decode([token_id], skip_special_tokens=False)
+
+    def id_to_token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes of one token (part of a UTF-8 character for some tokens)."""
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes_table(self._backend)
+        return self._token_bytes[token_id]
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
@@ -282,6 +293,18 @@ def _token_content(token: object) -> str | None:
     if isinstance(token, dict) and isinstance(token.get("content"), str):
         return str(token["content"])
     return None
+
+
+def find_chat_template(path: Path, tokenizer_config: dict[str, Any]) -> str | None:
+    """The chat template wherever transformers writes it, in the order it reads them:
+    chat_template.jinja (transformers >= 4.50 / 5.x save_pretrained), chat_template.json
+    (processors: {"chat_template": ...}), then tokenizer_config.json's chat_template."""
+    jinja_file = path / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    json_file = _read_json(path / "chat_template.json")
+    return _chat_template_text(json_file.get("chat_template")) or _chat_template_text(
+        tokenizer_config.get("chat_template"))
 
 
 def _chat_template_text(template: object) -> str | None:

@@ -13,7 +13,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from microserving.tokenizer import MODEL_HELP
 from router.router import Router
+from router.router_class import load_router_class
 from router.server import serve_forever
 from router.settings import load_settings
 
@@ -27,30 +29,35 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-dns", dest="engine_dns", action="append", metavar="NAME:PORT=ROLE",
         help="a DNS name re-resolved periodically, e.g. a headless Service (repeatable)")
     add("--engine-num-gpus", dest="engine_num_gpus", type=int, nargs="+", help="GPUs per --engine")
-    add("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"])
-    add("--pd-balance-factor", type=float)
-    add("--cache-aware", action="store_true", default=None)
-    add("--model", help="'tiny' or a local Hugging Face model directory (for the tokenizer)")
+    add("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"],
+        help="default orchestration pattern (round-robin: least loaded engine does all)")
+    add("--router-class", metavar="PACKAGE.MODULE:CLASS",
+        help="a Router subclass to run (e.g. my_router:CustomRouter, imported from PYTHONPATH)")
+    add("--pd-balance-factor", type=float, help="disagg: fraction of the prompt the decode engine prefills (0..1)")
+    add("--cache-aware", action="store_true", default=None,
+        help="prefer engines whose prefix cache holds the prompt")
+    add("--model", help=MODEL_HELP + " (the router tokenizes with it)")
     add("--model-id", help="id clients pass as model (default: from --model)")
-    add("--host")
-    add("--port", type=int)
-    add("--health-interval-s", type=float)
-    add("--first-token-timeout-s", type=float)
-    add("--inter-token-timeout-s", type=float)
-    add("--prep-recv-timeout-s", type=float)
-    add("--remote-send-timeout-s", type=float)
-    add("--max-attempts", type=int)
+    add("--host", help="address to bind (default 127.0.0.1)")
+    add("--port", type=int, help="gRPC port; 0 picks a free one (default 50051)")
+    add("--health-interval-s", type=float, help="seconds between health/status polls per engine")
+    add("--first-token-timeout-s", type=float, help="deadline for an engine's first streamed message")
+    add("--inter-token-timeout-s", type=float, help="deadline between an engine's streamed messages")
+    add("--prep-recv-timeout-s", type=float, help="deadline of a PrepRecv call")
+    add("--remote-send-timeout-s", type=float, help="deadline of a RemoteSend call")
+    add("--max-attempts", type=int,
+        help="engine attempts per request: retries before the first token, resumes after it")
     add("--max-inflight", type=int, help="requests served at once; 0 = unlimited (RESOURCE_EXHAUSTED over it)")
-    add("--health-timeout-s", type=float)
+    add("--health-timeout-s", type=float, help="deadline of one health check or GetStatus")
     add("--engine-stream", action=argparse.BooleanOptionalAction, default=None,
         help="decode over one multiplexed Engine.Generate stream per engine (default), or "
         "--no-engine-stream: one StartGenerate call per request")
-    add("--token", help="shared bearer token for every hop")
-    add("--tls-cert")
-    add("--tls-key")
-    add("--tls-ca")
+    add("--token", help="shared bearer token for every hop (prefer MICROSERVING_ROUTER_TOKEN: flags show in ps)")
+    add("--tls-cert", help="PEM certificate of this router (serves TLS; client cert to engines)")
+    add("--tls-key", help="PEM key of --tls-cert")
+    add("--tls-ca", help="CA bundle: verifies engines; on the server, requires client certificates")
     add("--tls-server-name", help="override of the name checked in the engines' certificates")
-    add("--log-level", default="INFO")
+    add("--log-level", default="INFO", help="logging level (default INFO)")
     return parser
 
 
@@ -80,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"microserving router: invalid settings: {exc}", file=sys.stderr)
         return 2
     try:
-        router = Router(settings=settings)
+        router_type = load_router_class(settings.router_class) if settings.router_class else Router
+        router = router_type(settings=settings)
     except ValueError as exc:
         print(f"microserving router: {exc}", file=sys.stderr)
         return 2

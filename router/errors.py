@@ -25,7 +25,8 @@ class InvalidRequestError(RouterError):
 
 
 class ContextLengthError(RouterError):
-    """The prompt alone does not fit the model's context (HTTP 413 at the gateway)."""
+    """The prompt (or the prompt plus max_tokens) does not fit the model's context (HTTP 400
+    context_length_exceeded at the gateway)."""
 
     code = grpc.StatusCode.OUT_OF_RANGE
 

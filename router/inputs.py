@@ -131,14 +131,17 @@ def check_length(
     """The prompt plus the tokens asked for must fit the model's context."""
     if max_context_length is None:
         return  # no engine has reported yet; the engine checks again
+    # Worded as OpenAI words it: clients (litellm) recognise "maximum context length".
     if num_prompt_tokens >= max_context_length:
         raise ContextLengthError(
-            f"the prompt has {num_prompt_tokens} tokens; the context holds {max_context_length}",
+            f"This model's maximum context length is {max_context_length} tokens; the prompt "
+            f"has {num_prompt_tokens} tokens.",
             param="input",
         )
     if sampling.HasField("max_tokens") and num_prompt_tokens + sampling.max_tokens > max_context_length:
-        raise InvalidRequestError(
-            f"prompt ({num_prompt_tokens}) + max_tokens ({sampling.max_tokens}) exceeds the "
-            f"context ({max_context_length})",
+        raise ContextLengthError(
+            f"This model's maximum context length is {max_context_length} tokens; you requested "
+            f"{num_prompt_tokens + sampling.max_tokens} tokens ({num_prompt_tokens} in the "
+            f"prompt, {sampling.max_tokens} for the completion).",
             param="sampling.max_tokens",
         )

@@ -41,6 +41,11 @@ class RouterSettings(BaseSettings):
         description="GPUs per --engine, in order (for device_id_starts / recv_rank); default 1 each.",
     )
     pattern: PatternName = Field(default="round-robin", description="Default orchestration pattern.")
+    router_class: str | None = Field(
+        default=None,
+        description="package.module:Class of a Router subclass to run instead of Router (its "
+        "translate_request replaces the built-in patterns); imported from PYTHONPATH.",
+    )
     pd_balance_factor: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="Disagg: fraction of the prompt the decode engine prefills."
     )

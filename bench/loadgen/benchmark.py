@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +15,7 @@ from bench.loadgen.plots import plot_cdfs
 from bench.loadgen.results import machine_info, record_to_json, write_results
 from bench.loadgen.runner import LoadShape, run_load
 from bench.loadgen.stats import summarize
-from bench.loadgen.workload import WorkloadConfig, build_workload
+from bench.loadgen.workload import WorkloadConfig, build_workload, is_local_model
 
 
 @dataclass(frozen=True)
@@ -35,6 +35,8 @@ class BenchConfig:
     timeout_s: float = 600.0
     label: str = "run"
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # The workload's lengths are defaults, not the user's: shrink them to the served context.
+    fit_to_context: bool = False
 
 
 def normalize_base_url(url: str) -> str:
@@ -43,17 +45,53 @@ def normalize_base_url(url: str) -> str:
     return url if url.endswith("/v1") else url + "/v1"
 
 
-async def first_model(base_url: str, api_key: str | None) -> str:
+@dataclass(frozen=True)
+class ServedModel:
+    id: str
+    max_model_len: int | None  # the context length, when the server reports it
+
+
+async def served_model(base_url: str, api_key: str | None, model: str | None) -> ServedModel:
+    """`model` (default: the first listed) and its context length from /v1/models."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    async with (
-        aiohttp.ClientSession(trust_env=False) as session,
-        session.get(f"{base_url}/models", headers=headers) as response,
-    ):
-        response.raise_for_status()
-        models = (await response.json()).get("data") or []
-    if not models:
+    try:
+        async with (
+            aiohttp.ClientSession(trust_env=False) as session,
+            session.get(f"{base_url}/models", headers=headers) as response,
+        ):
+            response.raise_for_status()
+            cards = (await response.json()).get("data") or []
+    except aiohttp.ClientError:
+        if model is None:
+            raise
+        cards = []  # a server without /v1/models: the given model, context unknown
+    if model is None and not cards:
         raise ValueError(f"{base_url}/models lists no model; pass --model")
-    return str(models[0]["id"])
+    if model is None:
+        card, model = cards[0], str(cards[0]["id"])
+    else:
+        card = next((c for c in cards if c.get("id") == model), {})
+    length = card.get("max_model_len")
+    return ServedModel(model, int(length) if isinstance(length, int) else None)
+
+
+# Room for what the prompt gains on the server (bos, a chat template's tokens).
+_CONTEXT_MARGIN_TOKENS = 32
+
+
+def fit_workload(workload: WorkloadConfig, model: ServedModel, fit_lengths: bool) -> WorkloadConfig:
+    """Lengths in the served model's tokens when its tokenizer is at hand (a preset name or a
+    local directory), and default lengths shrunk to fit its context."""
+    tokenizer = workload.tokenizer or (model.id if is_local_model(model.id) else None)
+    fitted = replace(workload, tokenizer=tokenizer)
+    if not (fit_lengths and model.max_model_len and workload.dataset == "synthetic"):
+        return fitted
+    num_in, num_out = int(workload.input_len), int(workload.output_len)
+    room = model.max_model_len - _CONTEXT_MARGIN_TOKENS
+    if num_in + num_out <= room:
+        return fitted
+    num_out = min(num_out, room // 4)
+    return replace(fitted, input_len=str(room - num_out), output_len=str(num_out))
 
 
 def _config_json(config: BenchConfig, model: str) -> dict[str, Any]:
@@ -71,7 +109,9 @@ async def run_benchmark(
 ) -> dict[str, Any]:
     """Run the benchmark and return its results (config, machine, summary, requests)."""
     base_url = normalize_base_url(config.base_url)
-    model = config.model or await first_model(base_url, config.api_key)
+    served = await served_model(base_url, config.api_key, config.model)
+    model = served.id
+    config = replace(config, workload=fit_workload(config.workload, served, config.fit_to_context))
     specs = build_workload(config.workload, config.warmup + config.num_prompts)
     options = RequestOptions(
         base_url=base_url,

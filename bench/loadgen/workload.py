@@ -152,6 +152,13 @@ def _dists(cfg: WorkloadConfig) -> tuple[LengthDist, LengthDist]:
     return parse_length_dist(cfg.input_len), parse_length_dist(cfg.output_len)
 
 
+def is_local_model(name: str) -> bool:
+    """A model whose tokenizer this machine has: a preset or a Hugging Face directory."""
+    from microserving.tokenizer import PRESET_NAMES
+
+    return name in PRESET_NAMES or (Path(name) / "tokenizer.json").is_file()
+
+
 def load_tokenizer(name: str | None) -> TextTokenizer | None:
     if name is None:
         return None

@@ -79,8 +79,9 @@ class SamplingParams:
 @dataclass(frozen=True)
 class TopLogprob:
     token_id: int
-    token: str
+    token: str  # a partial UTF-8 character shows as U+FFFD here; token_bytes holds it exactly
     logprob: float
+    token_bytes: bytes = b""
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,7 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[TopLogprob, ...] = ()
+    token_bytes: bytes = b""  # the token's raw bytes (may be part of a UTF-8 character)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ from .request import (
     finish_choice,
     take_delta,
 )
-from .sampler import SampledToken, is_plain_greedy, sample
+from .sampler import SampledToken, choice_seed, is_plain_greedy, sample
 from .scheduler import ScheduledSeq, Scheduler
 from .sequence import SeqKind, SeqStatus, Sequence
 from .weights import DTYPES, build_model, model_fingerprint
@@ -483,7 +483,7 @@ class LLMEngine(DisaggregationOps):
 
     def _new_choice(self, index: int, seq: Sequence, sampling: SamplingParams) -> Choice:
         if sampling.seed is not None:
-            seed = sampling.seed + index
+            seed = choice_seed(sampling.seed, index)
         else:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
         return Choice(

@@ -148,7 +148,8 @@ def _cut_at_stop_string(choice: Choice, stop: tuple[str, ...]) -> bool:
 
 def _to_logprob(sampled: SampledToken, tokenizer: Tokenizer) -> TokenLogprob:
     top = tuple(
-        TopLogprob(token_id=t, token=tokenizer.id_to_token_text(t), logprob=lp)
+        TopLogprob(token_id=t, token=tokenizer.id_to_token_text(t), logprob=lp,
+                   token_bytes=tokenizer.id_to_token_bytes(t))
         for t, lp in sampled.top
     )
     return TokenLogprob(
@@ -156,4 +157,5 @@ def _to_logprob(sampled: SampledToken, tokenizer: Tokenizer) -> TokenLogprob:
         token=tokenizer.id_to_token_text(sampled.token_id),
         logprob=float(sampled.logprob or 0.0),
         top=top,
+        token_bytes=tokenizer.id_to_token_bytes(sampled.token_id),
     )

@@ -6,6 +6,7 @@ draws the same tokens whatever else is in the batch.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,3 +108,13 @@ def sample(
         return SampledToken(token_id)
     logprob, top = token_logprobs(raw_logits, token_id, params.top_logprobs)
     return SampledToken(token_id, logprob, top)
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The generator seed of choice `index` of a request seeded `seed`. Choice 0 uses the seed
+    itself; the others a hash of (seed, index), so the choices of two requests never share a
+    generator as `seed + index` would (seed 1's second choice was seed 2's first)."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # 63 bits: any torch.Generator takes it

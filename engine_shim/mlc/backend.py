@@ -87,7 +87,10 @@ class MLCBackend:
     async def start(self, advertise_address: str) -> None:
         url = self._settings.mlc_url
         if url is None:
-            self._process = MLCProcess(self._settings.model, self._settings.mlc_model_lib)
+            self._process = MLCProcess(
+                self._settings.model, self._settings.mlc_model_lib,
+                enable_prefix_cache=self._settings.enable_prefix_cache,
+            )
             url = await self._process.start()
         self._session = aiohttp.ClientSession(
             base_url=url,

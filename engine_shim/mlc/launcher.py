@@ -21,9 +21,10 @@ def _free_port() -> int:
 
 
 class MLCProcess:
-    def __init__(self, model: str, model_lib: str | None) -> None:
+    def __init__(self, model: str, model_lib: str | None, *, enable_prefix_cache: bool = True) -> None:
         self._model = model
         self._model_lib = model_lib
+        self._enable_prefix_cache = enable_prefix_cache
         self._process: asyncio.subprocess.Process | None = None
 
     async def start(self) -> str:
@@ -46,6 +47,8 @@ class MLCProcess:
             "127.0.0.1",
             "--port",
             str(port),
+            # MLC's router starts its engines the same way for enable_prefix_cache=False.
+            *(() if self._enable_prefix_cache else ("--overrides", "prefix_cache_mode=disable")),
         )
         url = f"http://127.0.0.1:{port}"
         await self._wait_ready(url)

@@ -17,6 +17,7 @@ from engine_shim.engine.api import (
     Usage,
 )
 from engine_shim.token_bytes import TokenBytes
+from microserving.token_bytes import parse_display_token
 
 MAX_MLC_LOGPROBS = 5  # MLC accepts logprobs 0..5 on completions
 
@@ -45,7 +46,7 @@ def completion_body(
         "n": sampling.n,
         "frequency_penalty": sampling.frequency_penalty,
         "presence_penalty": sampling.presence_penalty,
-        # Always ask for logprobs: their `bytes` give back the exact token ids.
+        # Always ask for logprobs: their tokens give back the exact token ids.
         "logprobs": sampling.top_logprobs,
         "user": request_id,
         "debug_config": {"ignore_eos": True} if sampling.ignore_eos else {},
@@ -81,55 +82,88 @@ def start_generate_body(base: dict[str, Any], begin: int) -> dict[str, Any]:
     return {**base, "begin": begin, "stream": True, "stream_options": {"include_usage": True}}
 
 
-def _token_id(entry: dict[str, Any], token_bytes: TokenBytes) -> int | None:
-    raw = entry.get("bytes")
-    if raw is None:
-        return None
-    return token_bytes.to_id(bytes(raw))
+def _token_id(raw: bytes | None, token_bytes: TokenBytes) -> int | None:
+    return None if raw is None else token_bytes.to_id(raw)
 
 
-def _ids(content: list[dict[str, Any]], token_bytes: TokenBytes) -> list[int]:
-    ids = []
-    for entry in content:
-        token_id = _token_id(entry, token_bytes)
-        if token_id is None:
-            raise ValueError("MLC logprobs entry without token bytes")
-        ids.append(token_id)
-    return ids
-
-
-def _logprobs(
+def _chat_shape(
     content: list[dict[str, Any]], token_bytes: TokenBytes
-) -> tuple[list[int], list[TokenLogprob]]:
-    ids: list[int] = []
+) -> list[TokenLogprob] | None:
+    """`{"content": [{token, logprob, bytes, top_logprobs}]}`: ids from each entry's bytes."""
     logprobs: list[TokenLogprob] = []
     for entry in content:
-        token_id = _token_id(entry, token_bytes)
-        if token_id is None:
-            raise ValueError("MLC logprobs entry without token bytes")
-        ids.append(token_id)
+        raw = None if entry.get("bytes") is None else bytes(entry["bytes"])
+        token_id = _token_id(raw, token_bytes)
+        if token_id is None or raw is None:
+            return None
         top = tuple(
-            TopLogprob(_token_id(t, token_bytes) or 0, str(t.get("token", "")), float(t["logprob"]))
+            TopLogprob(_token_id(bytes(t.get("bytes") or ()), token_bytes) or 0,
+                       str(t.get("token", "")), float(t["logprob"]), bytes(t.get("bytes") or ()))
             for t in entry.get("top_logprobs") or ()
         )
         logprobs.append(
-            TokenLogprob(token_id, str(entry.get("token", "")), float(entry["logprob"]), top)
+            TokenLogprob(token_id, str(entry.get("token", "")), float(entry["logprob"]), top, raw)
         )
-    return ids, logprobs
+    return logprobs
+
+
+def _completion_shape(logprobs: dict[str, Any], token_bytes: TokenBytes) -> list[TokenLogprob] | None:
+    """MLC's CompletionLogProbs: `tokens` (whole UTF-8, or `bytes:\\xNN` for part of a
+    character) parallel to `token_logprobs` and `top_logprobs` maps."""
+    tokens = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or []
+    tops = logprobs.get("top_logprobs") or [{}] * len(tokens)
+    entries: list[TokenLogprob] = []
+    for token, value, top_map in zip(tokens, values, tops, strict=False):
+        raw = parse_display_token(str(token))
+        token_id = _token_id(raw, token_bytes)
+        if token_id is None:
+            return None
+        top = tuple(
+            TopLogprob(_token_id(parse_display_token(t), token_bytes) or 0,
+                       parse_display_token(t).decode("utf-8", "replace"), float(lp),
+                       parse_display_token(t))
+            for t, lp in (top_map or {}).items()
+        )
+        entries.append(TokenLogprob(token_id, raw.decode("utf-8", "replace"), float(value), top, raw))
+    return entries
+
+
+def _ids_only(choice_logprobs: dict[str, Any] | None, token_bytes: TokenBytes) -> list[int] | None:
+    """The token ids of either shape without building logprob objects."""
+    if not choice_logprobs:
+        return None
+    if "content" in choice_logprobs:
+        raws = [entry.get("bytes") for entry in choice_logprobs["content"] or []]
+        ids = [None if raw is None else token_bytes.to_id(bytes(raw)) for raw in raws]
+    else:
+        ids = [token_bytes.to_id(parse_display_token(str(t))) for t in choice_logprobs.get("tokens") or []]
+    return None if any(i is None for i in ids) else [i for i in ids if i is not None]
+
+
+def _logprobs(choice_logprobs: dict[str, Any] | None, token_bytes: TokenBytes) -> list[TokenLogprob] | None:
+    if not choice_logprobs:
+        return None
+    if "content" in choice_logprobs:
+        return _chat_shape(choice_logprobs["content"] or [], token_bytes)
+    return _completion_shape(choice_logprobs, token_bytes)
 
 
 def parse_choice(
     choice: dict[str, Any], token_bytes: TokenBytes, tokenizer_encode: Any, want_logprobs: bool
 ) -> Delta:
     text = str(choice.get("text") or "")
-    content = (choice.get("logprobs") or {}).get("content")
+    raw_logprobs = choice.get("logprobs")
     logprobs: list[TokenLogprob] = []
-    if content is not None and not want_logprobs:  # the ids alone (the common, per-token case)
-        ids = _ids(content, token_bytes)
-    elif content is not None:
-        ids, logprobs = _logprobs(content, token_bytes)
-    else:  # an MLC without logprobs: the best we can do is to re-encode the text
-        ids = tokenizer_encode(text)
+    ids: list[int] | None
+    if want_logprobs:
+        parsed = _logprobs(raw_logprobs, token_bytes)
+        ids = None if parsed is None else [lp.token_id for lp in parsed]
+        logprobs = parsed or []
+    else:  # the ids alone (the common, per-token case)
+        ids = _ids_only(raw_logprobs, token_bytes)
+    if ids is None:  # no logprobs, or tokens that map to no id: the best is to re-encode
+        ids, logprobs = tokenizer_encode(text), []
     reason = choice.get("finish_reason")
     finish = None if reason is None else _FINISH.get(str(reason), FinishReason.ERROR)
     return Delta(

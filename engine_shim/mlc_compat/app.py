@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,6 +17,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from engine_shim import validation
 from engine_shim.engine.api import (
     AlreadyExistsError,
+    Delta,
     EngineError,
     FailedPreconditionError,
     GenerateOutput,
@@ -29,6 +29,7 @@ from engine_shim.engine.api import (
 )
 from engine_shim.mlc_compat import kv_relay
 from engine_shim.mlc_compat.protocol import (
+    ChoiceLogprobs,
     CompletionRequest,
     PrepRecvRequest,
     RemoteSendRequest,
@@ -37,6 +38,7 @@ from engine_shim.mlc_compat.protocol import (
     completion_json,
     usage_json,
 )
+from engine_shim.mlc_compat.request_metrics import RequestMetrics
 from engine_shim.mlc_compat.service import CompatService
 from engine_shim.mlc_compat.settings import MLCCompatSettings
 
@@ -72,38 +74,44 @@ def _sse(payload: dict[str, Any]) -> str:
 
 
 class _Completion:
-    """Turns engine outputs into CompletionResponse JSON, streamed or collected."""
+    """Turns engine outputs into CompletionResponse JSON, streamed or collected. The id is the
+    request's `user` when it has one, as MLC's engines answer."""
 
-    def __init__(self, service: CompatService, request: CompletionRequest) -> None:
-        self.id = f"cmpl-{uuid.uuid4().hex}"
+    def __init__(self, service: CompatService, request: CompletionRequest, request_id: str) -> None:
+        self.id = request_id
         self.model = service.model_id
         self.token_bytes = service.token_bytes
         self.with_logprobs = request.logprobs is not None
         self.include_usage = bool(request.stream_options and request.stream_options.include_usage)
+        self.logprobs: dict[int, ChoiceLogprobs] = {}
+        self.metrics = RequestMetrics()
 
-    def chunk(self, output: GenerateOutput) -> dict[str, Any]:
-        choices = [choice_json(d, self.token_bytes, self.with_logprobs) for d in output.deltas]
-        return completion_json(self.id, self.model, choices, None)
+    def choice(self, delta: Delta) -> dict[str, Any]:
+        if delta.token_ids:
+            self.metrics.saw_tokens()
+        if not self.with_logprobs:
+            return choice_json(delta, None)
+        builder = self.logprobs.setdefault(delta.index, ChoiceLogprobs(self.token_bytes))
+        return choice_json(delta, builder.add(delta))
+
+    def usage(self, usage: Usage) -> dict[str, Any]:
+        return usage_json(usage, self.metrics.extra(usage))
 
     async def stream(self, outputs: AsyncIterator[GenerateOutput]) -> AsyncIterator[str]:
         async for output in outputs:
             if output.deltas:
-                yield _sse(self.chunk(output))
+                choices = [self.choice(d) for d in output.deltas]
+                yield _sse(completion_json(self.id, self.model, choices, None))
             if output.usage is not None and self.include_usage:
-                yield _sse(
-                    {
-                        **completion_json(self.id, self.model, [], None),
-                        "usage": usage_json(output.usage),
-                    }
-                )
+                yield _sse(completion_json(self.id, self.model, [], self.usage(output.usage)))
         yield "data: [DONE]\n\n"
 
     async def collect(self, outputs: AsyncIterator[GenerateOutput]) -> dict[str, Any]:
         choices: dict[int, dict[str, Any]] = {}
-        usage: Usage | None = None
+        usage: dict[str, Any] | None = None
         async for output in outputs:
             for delta in output.deltas:
-                piece = choice_json(delta, self.token_bytes, self.with_logprobs)
+                piece = self.choice(delta)
                 merged = choices.get(delta.index)
                 if merged is None:
                     choices[delta.index] = piece
@@ -111,8 +119,10 @@ class _Completion:
                 merged["text"] += piece["text"]
                 merged["finish_reason"] = piece["finish_reason"]
                 if self.with_logprobs:
-                    merged["logprobs"]["content"] += piece["logprobs"]["content"]
-            usage = output.usage or usage
+                    for key, values in piece["logprobs"].items():
+                        merged["logprobs"][key] += values
+            if output.usage is not None:
+                usage = self.usage(output.usage)
         return completion_json(self.id, self.model, [choices[i] for i in sorted(choices)], usage)
 
 
@@ -133,7 +143,7 @@ def create_app(settings: MLCCompatSettings) -> FastAPI:
     async def respond(request: CompletionRequest, begin: int, needs_user: bool) -> Any:
         request_id, tokens, sampling = service.checked(request, needs_user=needs_user)
         begin = validation.start_generate_begin(begin, len(tokens))
-        completion = _Completion(service, request)
+        completion = _Completion(service, request, request_id)
         outputs = service.generate(request_id, tokens, begin, sampling)
         if request.stream:
             return StreamingResponse(completion.stream(outputs), media_type="text/event-stream")

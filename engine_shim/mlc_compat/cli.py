@@ -13,17 +13,29 @@ import uvicorn
 from pydantic import ValidationError
 
 from engine_shim.mlc_compat.settings import MLCCompatSettings
+from microserving.tokenizer import MODEL_HELP
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microserving mlc-compat", description=__doc__)
-    parser.add_argument("--model", help="model preset (tiny, llama-100m) or local HF directory")
+    parser.add_argument("--model", help=MODEL_HELP)
     parser.add_argument("--host", help="interface to bind (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port; 0 picks a free one")
     parser.add_argument("--device", help="cpu | cuda | cuda:N")
     parser.add_argument("--dtype", help="float32 | bfloat16 | float16")
     parser.add_argument("--page-size", type=int, help="tokens per KV page")
     parser.add_argument("--num-pages", type=int, help="KV pages in the pool")
+    cache = parser.add_mutually_exclusive_group()
+    cache.add_argument(
+        "--enable-prefix-cache",
+        choices=("true", "false"),
+        help="true (default, as `mlc_llm serve`) | false: reuse KV of shared prompt prefixes",
+    )
+    cache.add_argument(
+        "--prefix-cache-mode",
+        choices=("radix", "disable"),
+        help="MLC's spelling of --enable-prefix-cache: radix = true, disable = false",
+    )
     parser.add_argument(
         "--peer",
         action="append",
@@ -53,7 +65,11 @@ def parse_settings(argv: list[str]) -> MLCCompatSettings:
         if not sep or not rank.strip().isdigit() or not url:
             raise SystemExit(f"microserving mlc-compat: --peer wants RANK=URL, got {item!r}")
         peers[int(rank)] = url.rstrip("/")
+    enable = args.pop("enable_prefix_cache")
+    mode = args.pop("prefix_cache_mode")
     given = {name: value for name, value in args.items() if value is not None}
+    if enable is not None or mode is not None:
+        given["enable_prefix_cache"] = enable == "true" or mode == "radix"
     if peers:
         given["peers"] = peers
     return MLCCompatSettings(**given)

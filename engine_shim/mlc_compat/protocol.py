@@ -9,9 +9,13 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from engine_shim.engine.api import Delta, SamplingParams, Usage
+from engine_shim.engine.api import Delta, InvalidRequestError, SamplingParams, Usage
+from engine_shim.token_bytes import TokenBytes
+from microserving.token_bytes import TextOffsets, display_token
 
 logger = logging.getLogger(__name__)
+
+MAX_COMPLETION_LOGPROBS = 5  # MLC's (and OpenAI's) limit for /v1/completions
 
 
 class _Lenient(BaseModel):
@@ -27,11 +31,30 @@ class _Lenient(BaseModel):
 
 
 class StreamOptions(_Lenient):
-    include_usage: bool = False
+    include_usage: bool | None = False
 
 
 class DebugConfig(_Lenient):
+    """MLC's debug_config. MLC's router always sends every field (`model_dump()`); the ones
+    this engine cannot honour are refused when set, never ignored."""
+
     ignore_eos: bool = False
+    pinned_system_prompt: bool = False
+    special_request: str | None = None
+    grammar_execution_mode: str = "jump_forward"  # no grammar here, so either mode is moot
+    disagg_config: dict[str, Any] | None = None
+
+    def check_supported(self) -> None:
+        if self.pinned_system_prompt:
+            raise InvalidRequestError("debug_config.pinned_system_prompt is not supported")
+        if self.special_request is not None:
+            raise InvalidRequestError(
+                f"debug_config.special_request {self.special_request!r} is not supported"
+            )
+        if self.disagg_config is not None:
+            raise InvalidRequestError(
+                "debug_config.disagg_config is set by the /microserving/* routes, not by callers"
+            )
 
 
 class CompletionRequest(_Lenient):
@@ -39,8 +62,9 @@ class CompletionRequest(_Lenient):
     prompt: str | list[int]
     best_of: int = 1
     echo: bool = False
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    # MLC types the penalties Optional and its router forwards `model_dump()`, so null arrives.
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
     logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
     max_tokens: int | None = None
@@ -56,6 +80,17 @@ class CompletionRequest(_Lenient):
     response_format: dict[str, Any] | None = None
     debug_config: DebugConfig | None = None
 
+    def check_supported(self) -> None:
+        """Refuses what MLC accepts but this engine cannot do, rather than ignoring it."""
+        if self.best_of != 1 or self.echo or self.suffix:
+            raise InvalidRequestError("best_of, echo and suffix are not supported")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}]")
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("response_format other than text is not supported")
+        if self.debug_config is not None:
+            self.debug_config.check_supported()
+
     def sampling(self) -> SamplingParams:
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         return SamplingParams(
@@ -65,8 +100,8 @@ class CompletionRequest(_Lenient):
             stop=stop,
             seed=self.seed,
             n=self.n,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            presence_penalty=self.presence_penalty or 0.0,
             logit_bias=dict(self.logit_bias or {}),
             logprobs=self.logprobs is not None,
             top_logprobs=self.logprobs or 0,
@@ -89,42 +124,44 @@ class StartGenerateRequest(CompletionRequest):
     begin: int
 
 
-def _logprobs_json(delta: Delta, token_bytes: Any) -> dict[str, Any]:
-    def entry(token_id: int, token: str, logprob: float) -> dict[str, Any]:
-        return {"token": token, "logprob": logprob, "bytes": list(token_bytes.to_bytes(token_id))}
+class ChoiceLogprobs:
+    """One choice's logprobs in MLC's completion shape (`CompletionLogProbs`): parallel lists
+    of tokens, their logprobs, text offsets and {alternative: logprob} maps. Tokens holding
+    part of a UTF-8 character show as `bytes:\\xNN`, so alternatives never collide."""
 
-    return {
-        "content": [
-            {
-                **entry(lp.token_id, lp.token, lp.logprob),
-                "top_logprobs": [entry(t.token_id, t.token, t.logprob) for t in lp.top],
-            }
-            for lp in delta.logprobs
-        ]
-    }
+    def __init__(self, token_bytes: TokenBytes) -> None:
+        self.token_bytes = token_bytes
+        self.offsets = TextOffsets()
+
+    def _text(self, token_id: int) -> str:
+        return display_token(self.token_bytes.to_bytes(token_id))
+
+    def add(self, delta: Delta) -> dict[str, Any]:
+        entries = delta.logprobs
+        return {
+            "text_offset": [self.offsets.add(self.token_bytes.to_bytes(lp.token_id)) for lp in entries],
+            "token_logprobs": [lp.logprob for lp in entries],
+            "tokens": [self._text(lp.token_id) for lp in entries],
+            "top_logprobs": [{self._text(t.token_id): t.logprob for t in lp.top} for lp in entries],
+        }
 
 
-def choice_json(delta: Delta, token_bytes: Any, with_logprobs: bool) -> dict[str, Any]:
+def choice_json(delta: Delta, logprobs: dict[str, Any] | None) -> dict[str, Any]:
     finish = None if delta.finish_reason is None else delta.finish_reason.value
-    return {
-        "index": delta.index,
-        "text": delta.text,
-        "logprobs": _logprobs_json(delta, token_bytes) if with_logprobs else None,
-        "finish_reason": finish,
-    }
+    return {"index": delta.index, "text": delta.text, "logprobs": logprobs, "finish_reason": finish}
 
 
-def usage_json(usage: Usage) -> dict[str, Any]:
+def usage_json(usage: Usage, extra: dict[str, Any] | None) -> dict[str, Any]:
     return {
         "prompt_tokens": usage.prompt_tokens,
         "completion_tokens": usage.completion_tokens,
         "total_tokens": usage.total_tokens,
-        "extra": None,
+        "extra": extra,
     }
 
 
 def completion_json(
-    response_id: str, model: str, choices: list[dict[str, Any]], usage: Usage | None
+    response_id: str, model: str, choices: list[dict[str, Any]], usage: dict[str, Any] | None
 ) -> dict[str, Any]:
     return {
         "id": response_id,
@@ -132,5 +169,5 @@ def completion_json(
         "created": int(time.time()),
         "model": model,
         "object": "text_completion",
-        "usage": None if usage is None else usage_json(usage),
+        "usage": usage,
     }

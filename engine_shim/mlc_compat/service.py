@@ -58,6 +58,7 @@ class CompatService:
             kv_cache_memory_mb=s.kv_cache_memory_mb,
             reservation_ttl_s=s.reservation_ttl_s,
             max_num_seqs=s.max_num_seqs,
+            enable_prefix_cache=s.enable_prefix_cache,
         )
         if s.synthetic:
             from engine_shim.mlc_compat.synthetic import synthetic_factory
@@ -99,8 +100,7 @@ class CompatService:
             raise InvalidRequestError("microserving calls carry the request id in `user`")
         request_id = request.user or f"cmpl-{uuid.uuid4().hex}"
         validation.check_request_id(request_id)
-        if request.best_of != 1 or request.echo or request.suffix:
-            raise InvalidRequestError("best_of, echo and suffix are not supported")
+        request.check_supported()
         if isinstance(request.prompt, str):
             tokens = self.engine.tokenizer.encode(request.prompt)
         else:

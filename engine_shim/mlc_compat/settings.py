@@ -23,6 +23,12 @@ class MLCCompatSettings(BaseSettings):
     page_size: int = Field(16, ge=1, description="Tokens per KV page.")
     num_pages: int | None = Field(None, ge=1, description="KV pages in the pool.")
     kv_cache_memory_mb: int = Field(256, ge=1, description="KV pool budget without num_pages.")
+    enable_prefix_cache: bool = Field(
+        True,
+        description="Match prompts against cached KV (MLC's prefix_cache_mode radix, the "
+        "default of `mlc_llm serve`); false is MLC's prefix_cache_mode disable, the MicroServing "
+        "tutorial's setting, under which prep_recv always reports prefix_matched_length 0.",
+    )
     reservation_ttl_s: float = Field(30.0, gt=0, description="TTL of a prep_recv reservation.")
     peers: dict[int, str] = Field(
         default_factory=dict,

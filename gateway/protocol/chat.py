@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from gateway.protocol.base import INT32_MAX, OpenAIBaseModel, SamplingFields, StrictModel, Usage
 
@@ -99,8 +99,16 @@ class ChatCompletionResponse(StrictModel):
 
 
 class ChatDelta(StrictModel):
+    """A streamed message delta. Unset fields are left out, as OpenAI streams them: the role
+    only in a choice's first chunk, `{}` in a chunk that only carries the finish reason."""
+
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        fields: dict[str, Any] = handler(self)
+        return {name: value for name, value in fields.items() if value is not None}
 
 
 class ChatChunkChoice(StrictModel):

@@ -78,6 +78,14 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
             index=ChunkTemplate.INDEX_MARKER, delta=ChatDelta(content=ChunkTemplate.TEXT_MARKER))]))
 
         def encode(event: DeltaEvent) -> bytes:
+            if not (event.text or event.logprobs):
+                # Nothing to show (a token that ends inside a UTF-8 character): no chunk, or
+                # only the finish reason with an empty delta, as OpenAI sends it.
+                if event.finish_reason is None:
+                    return b""
+                return encode_event(chunk([ChatChunkChoice(
+                    index=event.index, delta=ChatDelta(),
+                    finish_reason=event.finish_reason)]))  # type: ignore[arg-type]
             if not request.logprobs:
                 return template.encode(event.index, event.text, event.finish_reason)
             logprobs = ChatLogprobs(content=chat_logprobs(event.logprobs))
@@ -90,7 +98,9 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
             for index in range(request.n))
         async for batch in events:
             if not isinstance(batch, UsageTotals):
-                yield b"".join(encode(event) for event in batch if isinstance(event, DeltaEvent))
+                data = b"".join(encode(event) for event in batch if isinstance(event, DeltaEvent))
+                if data:
+                    yield data
             elif request.include_usage_in_stream:
                 usage_chunk = chunk([])
                 usage_chunk.usage = usage_model(batch)

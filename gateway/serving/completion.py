@@ -16,29 +16,36 @@ from gateway.protocol.completion import (
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, PromptEvent, UsageTotals
 from gateway.sse import ChunkTemplate, encode_event
+from microserving.token_bytes import TextOffsets, display_token
 from microserving.v1 import common_pb2, router_pb2
+
+
+def _token_text(token: common_pb2.TokenLogprob | common_pb2.TopLogprob) -> str:
+    # From the raw bytes: a token inside a UTF-8 character shows as `bytes:\xNN`, so two such
+    # alternatives stay two keys (their text would both be U+FFFD).
+    return display_token(token.token_bytes) if token.token_bytes else token.token
 
 
 @dataclass
 class _LogprobsBuilder:
     """OpenAI's legacy logprobs layout, with text offsets counted over all returned text."""
 
-    offset: int = 0
+    offsets: TextOffsets = field(default_factory=TextOffsets)
     logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
 
     def add_prompt(self, text: str) -> None:
-        self.offset += len(text)
+        self.offsets.offset += len(text)
 
     def add(self, tokens: Sequence[common_pb2.TokenLogprob]) -> CompletionLogprobs:
         chunk = CompletionLogprobs()
         for token in tokens:
-            alternatives = {alt.token: alt.logprob for alt in token.top_logprobs}
+            alternatives = {_token_text(alt): alt.logprob for alt in token.top_logprobs}
+            offset = self.offsets.add(token.token_bytes or token.token.encode())
             for target in (chunk, self.logprobs):
-                target.tokens.append(token.token)
+                target.tokens.append(_token_text(token))
                 target.token_logprobs.append(token.logprob)
                 target.top_logprobs.append(alternatives or None)
-                target.text_offset.append(self.offset)
-            self.offset += len(token.token)
+                target.text_offset.append(offset)
         return chunk
 
 

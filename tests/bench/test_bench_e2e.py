@@ -56,3 +56,18 @@ def test_chat_endpoint_through_the_gateway(stack_url: str, tmp_path: Path) -> No
     s = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert s["num_errors"] == 0, s["error_kinds"]
     assert s["output_tokens"] == 4 * 6
+
+
+def test_default_lengths_fit_the_stack_up_starts(stack_url: str, tmp_path: Path) -> None:
+    """No --input-len / --output-len: the defaults (3000 in, 100 out) shrink to the tiny
+    model's context, measured in its tokens (the served model is a preset)."""
+    code = main(["--base-url", stack_url, "--concurrency", "2", "--num-prompts", "2",
+                 "--warmup", "0", "--no-progress", "--out", str(tmp_path)])
+    assert code == 0
+    result = json.loads((tmp_path / "results.json").read_text())
+    s, workload = result["summary"], result["config"]["workload"]
+    assert s["num_errors"] == 0 and s["num_completed"] == 2, s["error_kinds"]
+    assert workload["tokenizer"] == "tiny"
+    assert int(workload["input_len"]) + int(workload["output_len"]) <= 2048
+    for request in result["requests"]:
+        assert request["prompt_tokens"] <= int(workload["input_len"]) + 1  # + bos

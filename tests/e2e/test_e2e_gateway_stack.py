@@ -235,12 +235,14 @@ def test_unknown_model_is_404(client: openai.OpenAI) -> None:
     assert_openai_error(caught.value, 404)
 
 
-def test_prompt_longer_than_the_context_is_413(client: openai.OpenAI, model: str) -> None:
+def test_prompt_longer_than_the_context_is_400_context_length_exceeded(client: openai.OpenAI, model: str) -> None:
     context = client.models.list().data[0].model_extra or {}
     length = int(context.get("max_model_len") or 4096)
-    with pytest.raises(openai.APIStatusError) as caught:
+    with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=model, prompt="x" * (length + 16), max_tokens=1)
-    assert assert_openai_error(caught.value, 413)["code"] == "context_length_exceeded"
+    error = assert_openai_error(caught.value, 400)
+    assert error["code"] == "context_length_exceeded" and error["param"] == "prompt"
+    assert "maximum context length" in error["message"]
 
 
 def test_over_the_inflight_limit_is_429_with_retry_after(stack: UpStack, model: str) -> None:

@@ -6,6 +6,7 @@ import pytest
 from engine_test_utils import GREEDY, finish_of, generate_alone, random_prompt, tokens_of
 
 from engine_shim.engine.api import FinishReason, SamplingParams
+from engine_shim.engine.sampler import choice_seed
 
 pytestmark = pytest.mark.unit
 
@@ -64,7 +65,13 @@ def test_n_greater_than_1_shares_the_prompt_and_samples_independently(make_engin
     assert all(len(c) == 10 for c in choices)
     assert len({tuple(c) for c in choices}) == 3
     assert outputs[-1].usage is not None and outputs[-1].usage.completion_tokens == 30
-    # choice i uses seed + i: choice 1 equals a single request seeded with 6
-    single = SamplingParams(temperature=1.0, seed=6, max_tokens=10, ignore_eos=True)
-    assert generate_alone(engine, "single", prompt, single) == choices[1]
+    # choice 0 uses the seed; choice i > 0 a seed derived from (seed, i), so a request seeded
+    # 6 shares no choice with this one (seed + i would make its choice 0 equal choice 1 here)
+    def alone(request_id: str, seed: int) -> list[int]:
+        single = SamplingParams(temperature=1.0, seed=seed, max_tokens=10, ignore_eos=True)
+        return generate_alone(engine, request_id, prompt, single)
+
+    assert alone("seed-5", 5) == choices[0]
+    assert alone("derived", choice_seed(5, 1)) == choices[1]
+    assert alone("seed-6", 6) not in choices
     assert engine.status().num_free_pages == engine.num_pages

@@ -92,3 +92,22 @@ def test_gpu_overlay_requests_gpus_and_the_cuda_image() -> None:
     assert container["image"] == "microserving-grpc:cuda"
     assert by_name(documents, "ConfigMap", "microserving-config")["data"][
         "MICROSERVING_SHIM_DEVICE"] == "cuda"
+
+
+def test_compose_and_kubernetes_can_load_a_custom_router_class() -> None:
+    router = interpolate(yaml.safe_load((ROOT / "docker-compose.yml").read_text()),
+                         {"MICROSERVING_ROUTER_CLASS": "/custom/custom_router.py:CustomRouter",
+                          "MICROSERVING_ENABLE_PREFIX_CACHE": "false"})["services"]
+    assert router["router"]["environment"]["MICROSERVING_ROUTER_ROUTER_CLASS"] == \
+        "/custom/custom_router.py:CustomRouter"
+    assert router["router"]["volumes"] == ["./examples:/custom:ro"]  # where that file lies
+    assert (ROOT / "examples" / "custom_router.py").is_file()
+    assert router["decode"]["environment"]["MICROSERVING_SHIM_ENABLE_PREFIX_CACHE"] == "false"
+    assert compose_services()["router"]["environment"]["MICROSERVING_ROUTER_ROUTER_CLASS"] == ""
+    documents = render_kustomization(KUBERNETES / "overlays" / "cpu")
+    config = by_name(documents, "ConfigMap", "microserving-config")["data"]
+    assert config["MICROSERVING_ROUTER_ROUTER_CLASS"] == ""
+    pod = by_name(documents, "Deployment", "microserving-router")["spec"]["template"]["spec"]
+    assert pod["containers"][0]["volumeMounts"] == [
+        {"name": "router-code", "mountPath": "/custom", "readOnly": True}]
+    assert pod["volumes"][0]["configMap"] == {"name": "microserving-router-code", "optional": True}

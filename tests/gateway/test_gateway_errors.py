@@ -85,9 +85,9 @@ async def test_unknown_model_is_404_even_when_streaming(gateway: RunningGateway,
     assert 'endpoint="/v1/completions",status="404"} 1.0' in metrics
 
 
-async def test_prompt_over_the_context_length_is_413(gateway: RunningGateway) -> None:
+async def test_prompt_over_the_context_length_is_400_context_length_exceeded(gateway: RunningGateway) -> None:
     reply = await post(gateway, {"model": "fake", "prompt": "x" * 100})
-    assert reply.status_code == 413
+    assert reply.status_code == 400
     assert error_of(reply)["code"] == "context_length_exceeded"
 
 

@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from gateway.admission import AdmissionLimit
 from gateway.auth import ApiKeyChecker
 from gateway.conversion import chat_request, completion_requests, finish_reason_text
-from gateway.errors import GatewayError, from_code_number, from_grpc
+from gateway.errors import GatewayError, client_param, from_code_number, from_grpc
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completion import CompletionRequest
 from gateway.settings import GatewaySettings, reject_unknown_env
@@ -98,7 +98,7 @@ def test_bad_logit_bias_is_a_400_on_logit_bias() -> None:
 
 @pytest.mark.parametrize(("code", "status"), [
     (grpc.StatusCode.INVALID_ARGUMENT, 400), (grpc.StatusCode.UNAUTHENTICATED, 401),
-    (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.OUT_OF_RANGE, 413),
+    (grpc.StatusCode.NOT_FOUND, 404), (grpc.StatusCode.OUT_OF_RANGE, 400),
     (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
     (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500),
     (grpc.StatusCode.DATA_LOSS, 500),
@@ -107,11 +107,26 @@ def test_grpc_codes_map_to_http_statuses(code: grpc.StatusCode, status: int) -> 
     assert from_grpc(code, "m").status == status
 
 
-def test_too_long_prompt_is_413_and_other_invalid_arguments_400() -> None:
+def test_too_long_prompt_is_400_context_length_exceeded_as_openai_answers() -> None:
     error = from_code_number(11, "the prompt has 900 tokens; the context holds 512", "input")
-    assert (error.status, error.param, error.kind.code) == (413, "input",
+    assert (error.status, error.param, error.kind.code) == (400, "input",
                                                             "context_length_exceeded")
-    assert from_code_number(3, "bad temperature", "sampling.temperature").status == 400
+    invalid = from_code_number(3, "bad temperature", "sampling.temperature")
+    assert (invalid.status, invalid.kind.code) == (400, "invalid_request")
+
+
+@pytest.mark.parametrize(("router_param", "completions", "chat"), [
+    ("input", "prompt", "messages"), ("text", "prompt", "messages"),
+    ("token_ids.ids", "prompt", "messages"), ("chat.messages", "prompt", "messages"),
+    ("sampling.max_tokens", "max_tokens", "max_tokens"),
+    ("sampling.top_logprobs", "logprobs", "top_logprobs"),
+    ("sampling.temperature", "temperature", "temperature"), ("model", "model", "model"),
+    ("max_tokens", "max_tokens", "max_tokens"), (None, None, None),
+])
+def test_router_params_are_named_in_the_clients_terms(router_param: str | None, completions: str | None,
+                                                      chat: str | None) -> None:
+    assert client_param(router_param, is_chat=False) == completions
+    assert client_param(router_param, is_chat=True) == chat
 
 
 def test_only_429_carries_retry_after_and_internal_detail_is_hidden() -> None:

@@ -47,7 +47,6 @@ def test_token_ids_pass_through() -> None:
         ({"text": "x", "sampling": common_pb2.SamplingParams(presence_penalty=3)}, "sampling.presence_penalty"),
         ({"text": "x", "sampling": common_pb2.SamplingParams(logit_bias={5: 101})}, "sampling.logit_bias"),
         ({"text": "x", "sampling": common_pb2.SamplingParams(top_logprobs=21)}, "sampling.top_logprobs"),
-        ({"text": "x", "sampling": common_pb2.SamplingParams(max_tokens=1023)}, "sampling.max_tokens"),
         ({"token_ids": router_pb2.TokenIds(ids=[10**6])}, "token_ids.ids"),
         ({"token_ids": router_pb2.TokenIds()}, "token_ids.ids"),
         ({}, "input"),
@@ -67,6 +66,13 @@ def test_a_prompt_longer_than_the_context_is_out_of_range() -> None:
     with pytest.raises(RouterError) as caught:
         prepare(_new(text="x" * 2000), TOKENIZER, "tiny", 1024)
     assert (caught.value.code, caught.value.param) == (grpc.StatusCode.OUT_OF_RANGE, "input")
+
+
+def test_a_prompt_plus_max_tokens_over_the_context_is_out_of_range() -> None:
+    with pytest.raises(RouterError) as caught:
+        prepare(_new(text="x", sampling=common_pb2.SamplingParams(max_tokens=1023)), TOKENIZER, "tiny", 1024)
+    assert (caught.value.code, caught.value.param) == (grpc.StatusCode.OUT_OF_RANGE, "sampling.max_tokens")
+    assert "maximum context length is 1024" in caught.value.message
 
 
 def test_unknown_model_is_not_found() -> None:
