@@ -60,7 +60,9 @@ async def _http_corpus(client: httpx.AsyncClient) -> list[str]:
         reply = await client.request(case.method, case.path, content=case.content, headers=case.headers)
         body = reply.text
         ok = 400 <= reply.status_code < 500 and _clean(body)
-        if ok and case.method == "POST":
+        if not case.is_valid_http:
+            ok = reply.status_code == 400 and "invalid" in body.lower()
+        elif ok and case.method == "POST":
             error = json.loads(body).get("error", {})
             ok = bool(error.get("message")) and bool(error.get("type"))
         if not ok:
