@@ -164,7 +164,7 @@ def router_cases() -> list[RouterCase]:
         "temperature inf": _sampling(temperature=math.inf), "top_p 2": _sampling(top_p=2),
         "top_p 0": _sampling(top_p=0), "top_k -1": _sampling(top_k=-1), "n 0": _sampling(n=0),
         "n 1000": _sampling(n=1000), "max_tokens -1": _sampling(max_tokens=-1),
-        "max_tokens 2^31-1": _sampling(max_tokens=2**31 - 1), "stop 5000": _sampling(stop=["s"] * 5000),
+        "stop 5000": _sampling(stop=["s"] * 5000),
         "stop 100k chars": _sampling(stop=["x" * 100_000]), "stop_token_ids oov": _sampling(stop_token_ids=[10**8]),
         "top_logprobs 1000": _sampling(logprobs=True, top_logprobs=1000),
         "frequency_penalty 9": _sampling(frequency_penalty=9), "presence_penalty NaN": _sampling(presence_penalty=math.nan),
@@ -172,6 +172,10 @@ def router_cases() -> list[RouterCase]:
     }
     cases = [RouterCase(f"router sampling {name}", [_new(sampling=s)], _INVALID) for name, s in bad_sampling.items()]
     cases += [
+        # Prompt + max_tokens past the context: OUT_OF_RANGE (the gateway's 400
+        # context_length_exceeded, as OpenAI answers it).
+        RouterCase("router sampling max_tokens 2^31-1", [_new(sampling=_sampling(max_tokens=2**31 - 1))],
+                   _TOO_BIG),
         RouterCase("router no input", [_new(text="")], _INVALID),
         RouterCase("router empty token ids", [_new(token_ids=ids(ids=[]))], _INVALID),
         RouterCase("router negative token id", [_new(token_ids=ids(ids=[-5, 10]))], _INVALID),
