@@ -24,7 +24,7 @@ from engine_shim.engine.api import (
 from engine_shim.engine.config import EngineConfig
 from engine_shim.kv_addr import KVAddrInfo
 from engine_shim.kv_codec import bytes_per_token, staged_chunk
-from engine_shim.kv_receiver import KVTransferServicer, ReceiveTable, check_layout
+from engine_shim.kv_receiver import HoldListener, KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
 from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
 from engine_shim.settings import ShimSettings
@@ -132,8 +132,8 @@ class EmbeddedBackend:
             raise UnavailableError("engine is still loading")
         return self._engine.kv_layout
 
-    def kv_transfer_servicer(self) -> KVTransferServicer:
-        return KVTransferServicer(self._table, self)
+    def kv_transfer_servicer(self, on_hold: HoldListener | None = None) -> KVTransferServicer:
+        return KVTransferServicer(self._table, self, on_hold)
 
     async def prep_recv(
         self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
@@ -221,6 +221,9 @@ class EmbeddedBackend:
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self.engine.import_kv(request_id, chunk)
+
+    async def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        await self.engine.hold_reservation(request_id, is_held)
 
     async def abort(self, request_id: str) -> bool:
         self._table.close(request_id)

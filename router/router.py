@@ -241,7 +241,8 @@ class Router:
     def call_failed_with(self, code: grpc.StatusCode, detail: str, address: str, stage: str) -> EngineCallError:
         """An engine call (or one request on an engine stream) failed with `code`: the error
         the runner handles; an engine at fault leaves rotation."""
-        error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage)
+        error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage,
+                                detail=detail)
         if error.is_engine_fault:
             self.registry.mark_failed(address)
         logger.info("%s on %s failed: %s %s", stage, address, code.name, detail)

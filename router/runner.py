@@ -88,7 +88,7 @@ class RequestRunner:
         except asyncio.CancelledError:
             self._emit_done(cancelled=True)  # the client cancelled this request
         except RouterError as exc:
-            self._emit_error(exc.code, exc.message, exc.param)
+            self._emit_error(*exc.client_view())
         except Exception:
             logger.exception("request %s failed", rid)
             self._emit_error(grpc.StatusCode.INTERNAL, "internal router error", "")

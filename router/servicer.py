@@ -41,7 +41,8 @@ def _map_errors(
         try:
             return await method(self, request, context)
         except RouterError as exc:
-            await context.abort(exc.code, exc.message)
+            code, message, _ = exc.client_view()
+            await context.abort(code, message)
             raise  # abort raises; this line is not reached
         except Exception:
             logger.exception("%s failed", method.__name__)

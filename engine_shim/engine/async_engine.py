@@ -173,6 +173,9 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> bool:
         return await self._call(lambda core: core.abort(request_id))
 
+    async def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        await self._call(lambda core: core.hold_reservation(request_id, is_held))
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
     ) -> AsyncIterator[GenerateOutput]:
@@ -334,8 +337,8 @@ class AsyncEngine:
             try:
                 item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
             except queue.Empty:
-                if block:
-                    core.reap_expired_reservations()
+                if block and core.reap_expired_reservations():
+                    self._status = core.status()  # GetStatus stops counting them now
                 return True
             if item is _STOP:
                 return False

@@ -9,6 +9,7 @@ validates every call before it changes any state.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
@@ -114,7 +115,8 @@ class DisaggregationOps:
 
     def next_deadline(self) -> float | None:
         """Monotonic time of the earliest reservation expiry (the async loop sleeps until it)."""
-        return min((r.expires_at for r in self._reservations.values()), default=None)
+        deadline = min((r.expires_at for r in self._reservations.values()), default=None)
+        return None if deadline == math.inf else deadline
 
     def _check_reservation_covers(self, reservation: Reservation, ids: list[int], begin: int) -> None:
         if ids[: reservation.end] != reservation.token_ids[: reservation.end]:
@@ -165,6 +167,16 @@ class DisaggregationOps:
         segments = slot_segments(slots_for_positions(pages, self.page_size, matched, e))
         flat = [len(segments)] + [x for segment in segments for x in segment]
         return PrepRecvResult(request_id, e, matched, tuple(flat))
+
+    def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        """A KV push into the reservation has begun (held: it does not expire while the
+        sender computes and streams, however long the sender's queue) or has ended (its
+        TTL starts again, now, for the start_generate that should follow)."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
+        ttl_s = self.config.reservation_ttl_s
+        reservation.expires_at = math.inf if is_held else time.monotonic() + ttl_s
 
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         reservation = self._reservations.get(request_id)
