@@ -42,6 +42,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-push-chunk-bytes", int, "largest KV payload of one PushKV message"),
     ("--kv-shm", str, "true | false: KV through shared memory between shims of one host"),
     ("--kv-shm-max-mb", int, "shared-memory KV stages a receiving shim keeps at most"),
+    ("--kv-peers", str, "comma-separated host:port this shim may push KV to (besides routers' engines)"),
+    ("--kv-peer-ttl-s", float, "seconds an engine a router reported stays a KV peer"),
+    ("--kv-push-timeout-s", float, "deadline of one KV push to a peer"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
     ("--stream-interval-ms", float, "Engine.Generate: least ms between messages after a "
      "request's first token (several steps per message; default 0: one per step)"),

@@ -24,6 +24,7 @@ from engine_shim.engine.api import (
 from engine_shim.engine.config import EngineConfig
 from engine_shim.kv_addr import KVAddrInfo
 from engine_shim.kv_codec import bytes_per_token, staged_chunk
+from engine_shim.kv_peers import PeerAllowList
 from engine_shim.kv_receiver import HoldListener, KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
 from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
@@ -78,6 +79,7 @@ class EmbeddedBackend:
         self._segments = SegmentMaps(self._host) if self._host else None
         self._table = ReceiveTable(settings.reservation_ttl_s, self._staging)
         self._peers = PeerChannels(settings.transport())
+        self.kv_peers = PeerAllowList(settings.kv_peers, settings.kv_peer_ttl_s)
         self._address = ""
 
     @property
@@ -167,6 +169,7 @@ class EmbeddedBackend:
         sampling: SamplingParams,
     ) -> SendResult:
         addr = KVAddrInfo.decode(kv_addr_info)
+        self.kv_peers.check(addr.address)
         _check_window_fits(request_id, begin, end, addr)
         check_layout(addr.layout, self.engine.kv_layout)
         if addr.begin >= end:  # the receiver already holds the whole window
@@ -186,6 +189,7 @@ class EmbeddedBackend:
             chunks,
             max_payload_bytes=self._settings.kv_push_chunk_bytes,
             is_staged=stage is not None,
+            timeout_s=self._settings.kv_push_timeout_s,
         )
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",
@@ -231,6 +235,9 @@ class EmbeddedBackend:
 
     async def status(self) -> EngineStatus:
         return self.engine.status()
+
+    def tell_peers(self, addresses: Sequence[str]) -> None:
+        self.kv_peers.tell(addresses)
 
 
 def _check_window_fits(request_id: str, begin: int, end: int, addr: KVAddrInfo) -> None:

@@ -5,6 +5,8 @@ each chunk's window."""
 
 from __future__ import annotations
 
+import asyncio
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 
 import grpc
@@ -32,6 +34,8 @@ _PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 
 
 _PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
+# A push still running on an evicted channel gets this long to finish.
+_CLOSE_GRACE_S = 30.0
 
 
 def _pass_through(message: bytes) -> bytes:
@@ -39,31 +43,42 @@ def _pass_through(message: bytes) -> bytes:
 
 
 class PeerChannels:
-    """One channel per peer address, reused by every transfer to that peer. Requests go out
-    as pre-encoded protobuf bytes (see kv_codec.encode_chunk_request)."""
+    """One channel per peer address, reused by every transfer to that peer; at most
+    `max_channels`, the least recently used closed first (peers come and go with the
+    deployment). Requests go out as pre-encoded protobuf bytes (kv_codec.encode_chunk_request)."""
 
-    def __init__(self, transport: TransportSettings) -> None:
+    def __init__(self, transport: TransportSettings, max_channels: int = 64) -> None:
         self._transport = transport
-        self._stubs: dict[str, aio.StreamUnaryMultiCallable] = {}
-        self._channels: list[aio.Channel] = []
+        self._max_channels = max_channels
+        self._stubs: OrderedDict[str, tuple[aio.Channel, aio.StreamUnaryMultiCallable]] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
+
+    @property
+    def num_channels(self) -> int:
+        return len(self._stubs)
 
     def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
-        stub = self._stubs.get(address)
-        if stub is None:
+        entry = self._stubs.pop(address, None)
+        if entry is None:
             channel = create_channel(address, self._transport)
-            self._channels.append(channel)
-            stub = self._stubs[address] = channel.stream_unary(
+            entry = channel, channel.stream_unary(
                 _PUSH_KV_METHOD,
                 request_serializer=_pass_through,
                 response_deserializer=engine_pb2.PushKVResponse.FromString,
             )
-        return stub
+        self._stubs[address] = entry  # most recently used last
+        while len(self._stubs) > self._max_channels:
+            _, (oldest, _) = self._stubs.popitem(last=False)
+            task = asyncio.ensure_future(oldest.close(grace=_CLOSE_GRACE_S))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return entry[1]
 
     async def close(self) -> None:
-        for channel in self._channels:
+        for channel, _ in self._stubs.values():
             await channel.close()
-        self._channels.clear()
         self._stubs.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class _Progress:

@@ -168,6 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.GetStatusResponse:
         if not self.is_ready:
             raise UnavailableError("engine is still loading")
+        self._backend.tell_peers(request.kv_peers)
         info = self._backend.info
         status = await self._backend.status()
         return status_to_pb(

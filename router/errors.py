@@ -102,5 +102,5 @@ _REQUEST_FAULT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusC
 _PD_STAGES = frozenset({"prep_recv", "remote_send"})
 _PD_HANDOFF_CODES = frozenset(
     {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
-     grpc.StatusCode.ABORTED}
+     grpc.StatusCode.ABORTED, grpc.StatusCode.PERMISSION_DENIED}
 )

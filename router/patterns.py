@@ -121,7 +121,12 @@ async def migrate(router: Router, token_ids: list[int], source: str, target: str
         raise InvalidRequestError(f"target {target!r} is not an available engine", param="target")
     request_id = f"migrate-{uuid.uuid4().hex}"
     ctx = router.open_context(request_id)
-    source = source or _choose_source(router, token_ids, target, ctx)
+    try:
+        source = source or _choose_source(router, token_ids, target, ctx)
+        source_engine = router.endpoint(source)  # a registered engine, or InvalidRequestError
+    except BaseException:
+        router.close_context(ctx)
+        raise
     job = EngineJob(request_id, token_ids, common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1))
     try:
         kv_addr_info, matched = await engine_calls.prep_recv(router, target_engine, job, -1)
@@ -129,7 +134,7 @@ async def migrate(router: Router, token_ids: list[int], source: str, target: str
         moved = 0
         if matched < end:
             await engine_calls.remote_send(
-                router, router.endpoint(source), job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
+                router, source_engine, job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
                 recv_rank=router.device_id_start(target),
             )
             moved = end - matched

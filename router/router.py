@@ -28,7 +28,7 @@ from router import engine_calls, patterns
 from router.context import RequestContext
 from router.conversions import engine_to_completion, request_to_sampling
 from router.discovery import DnsWatcher, parse_engine_spec
-from router.endpoint import DECODE, PREFILL, ROLE_NAMES, STAGE_RESERVED, Endpoint
+from router.endpoint import DECODE, PREFILL, STAGE_RESERVED, Endpoint
 from router.engine_calls import EngineJob
 from router.engine_stream import EngineStream, StreamedDecode
 from router.errors import EngineCallError, InvalidRequestError, NoEngineError
@@ -111,7 +111,6 @@ class Router:
         self._dns = [DnsWatcher(self.registry, s, settings.dns_interval_s) for s in settings.engine_dns]
         self._background: list[asyncio.Task[None]] = []
         self._contexts: dict[str, RequestContext] = {}
-        self._adhoc: dict[str, Endpoint] = {}
         self._engine_streams: dict[str, EngineStream] = {}
         self._turn = itertools.count()
 
@@ -128,7 +127,6 @@ class Router:
         await asyncio.gather(*(s.close() for s in self._engine_streams.values()))
         self._engine_streams.clear()
         await self.registry.stop()
-        await asyncio.gather(*(e.close() for e in self._adhoc.values()))
 
     def _on_health_change(self, endpoint: Endpoint, previous: int) -> None:
         del previous
@@ -165,8 +163,9 @@ class Router:
     def close_context(self, ctx: RequestContext) -> None:
         self._contexts.pop(ctx.engine_request_id, None)
         for address in ctx.reservations:
-            endpoint = self.endpoint(address)
-            endpoint.release(STAGE_RESERVED)
+            endpoint = self.registry.get(address)
+            if endpoint is not None:  # else it left the registry meanwhile
+                endpoint.release(STAGE_RESERVED)
         ctx.reservations.clear()
 
     def context(self, request_id: str) -> RequestContext:
@@ -177,8 +176,11 @@ class Router:
         request = engine_pb2.AbortRequest(request_id=ctx.engine_request_id)
 
         async def abort(address: str) -> None:
+            endpoint = self.registry.get(address)
+            if endpoint is None:
+                return  # it left the registry meanwhile
             try:
-                await self.endpoint(address).stub.Abort(request, timeout=self.settings.abort_timeout_s)
+                await endpoint.stub.Abort(request, timeout=self.settings.abort_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 logger.info("abort of %s on %s failed: %s", ctx.engine_request_id, address, exc.code())
 
@@ -216,13 +218,14 @@ class Router:
         return ctx.hints.cache_aware if ctx.hints.HasField("cache_aware") else self.cache_aware
 
     def endpoint(self, server_url: str) -> Endpoint:
+        """A registered engine. Nothing else is ever dialled: the router's calls carry the
+        shared token, and an address from a request (MigrateContext.source, a custom
+        router's server_url) must not receive it."""
         address = _strip_scheme(server_url)
-        endpoint = self.registry.get(address) or self._adhoc.get(address)
+        endpoint = self.registry.get(address)
         if endpoint is None:
-            # An engine outside the registry (a custom router may address any shim).
-            endpoint = Endpoint(address=address, configured_roles=frozenset(ROLE_NAMES.values()))
-            endpoint.connect(self.settings.transport)
-            self._adhoc[address] = endpoint
+            raise InvalidRequestError(f"{address!r} is not an engine registered with this router",
+                                      param="engine")
         return endpoint
 
     def engine_stream(self, endpoint: Endpoint) -> EngineStream:

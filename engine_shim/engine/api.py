@@ -31,6 +31,10 @@ class FailedPreconditionError(EngineError):
     """The call is valid on its own but not in the current state (e.g. incompatible KV)."""
 
 
+class PermissionDeniedError(EngineError):
+    """The call asks the engine to act for an address or party it does not trust."""
+
+
 class ResourceExhaustedError(EngineError):
     """Not enough KV pages / queue space to accept the request now."""
 

@@ -204,6 +204,10 @@ class MLCBackend:
         await response.aclose()
         return True
 
+    def tell_peers(self, addresses: Sequence[str]) -> None:
+        """MLC moves KV itself (NVSHMEM, within its own deployment): nothing to keep."""
+        del addresses
+
     async def status(self) -> EngineStatus:
         info = self.info
         return EngineStatus(
