@@ -181,7 +181,7 @@ class EmbeddedBackend:
         )
         started = time.perf_counter()
         chunks: AsyncIterator[KVChunk] = self.engine.remote_send(
-            request_id, list(token_ids), addr.begin, end, export_into
+            request_id, list(token_ids), addr.begin, end, export_into, sampling.cache_salt
         )
         num_tokens, num_bytes = await push_kv(
             self._peers,

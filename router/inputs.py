@@ -19,6 +19,7 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 256
 # Inputs from this many characters are tokenized in a worker thread, this many at once.
 OFF_LOOP_MIN_CHARS = 16_384
 MAX_OFF_LOOP_TOKENIZATIONS = 2
@@ -177,6 +178,9 @@ def check_sampling(sampling: common_pb2.SamplingParams, vocab_size: int) -> None
         raise InvalidRequestError("top_logprobs must lie in [0, 20]", param="sampling.top_logprobs")
     if len(sampling.stop) > MAX_STOP_STRINGS or any(not s for s in sampling.stop):
         raise InvalidRequestError("stop takes up to 16 non-empty strings", param="sampling.stop")
+    if len(sampling.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt takes at most {MAX_CACHE_SALT_CHARS} characters",
+                                  param="sampling.cache_salt")
     if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
         raise InvalidRequestError("stop_token_ids must be token ids", param="sampling.stop_token_ids")
 

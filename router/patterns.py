@@ -51,7 +51,7 @@ def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
 async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
     engine = router.select_engine(DECODE, job.token_ids, ctx)
-    router.prefix_index.record(engine.address, job.token_ids)
+    router.prefix_index.record(engine.address, job.token_ids, job.sampling.cache_salt)
     return engine_calls.decode(router, engine, job, 0)
 
 
@@ -70,8 +70,9 @@ async def _disagg_with_factor(
             router, prefill, job, begin=matched, end=end, kv_addr_info=kv_addr_info,
             recv_rank=router.device_id_start(decode.address),
         )
-    router.prefix_index.record(prefill.address, prompt[:decode_start])
-    router.prefix_index.record(decode.address, prompt)
+    salt = job.sampling.cache_salt
+    router.prefix_index.record(prefill.address, prompt[:decode_start], salt)
+    router.prefix_index.record(decode.address, prompt, salt)
     return engine_calls.decode(router, decode, job, decode_start)
 
 
@@ -97,7 +98,7 @@ async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -
     prompt = job.token_ids
     decode = router.select_engine(DECODE, prompt, ctx)
     prefill = router.try_select_engine(PREFILL, prompt, ctx, avoid=[decode.address])
-    cached = router.prefix_index.match_all([decode.address], prompt)[decode.address]
+    cached = router.prefix_index.match_all([decode.address], prompt, ctx.cache_salt)[decode.address]
     if prefill is not None:
         decision = adaptive_split(
             router.adaptive_policy, num_prompt_tokens=len(prompt), num_cached_tokens=cached,
@@ -109,7 +110,7 @@ async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -
     else:
         factor = 0.0
     if prefill is None:
-        router.prefix_index.record(decode.address, prompt)
+        router.prefix_index.record(decode.address, prompt, job.sampling.cache_salt)
     return await _disagg_with_factor(router, job, factor, decode, prefill)
 
 

@@ -204,7 +204,7 @@ class Router:
         candidates = self.registry.candidates(role, exclude=ctx.excluded | set(avoid))
         turn = next(self._turn)
         if self.is_cache_aware(ctx) and candidates:
-            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids)
+            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids, ctx.cache_salt)
             chosen = pick_cache_aware(
                 candidates, matched, turn,
                 min_match_tokens=self.settings.cache_min_match_tokens,

@@ -237,6 +237,7 @@ class AsyncEngine:
         begin: int,
         end: int,
         export_into: Callable[[int, int], torch.Tensor] | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[KVChunk]:
         """Compute KV of prompt[:end] and yield [begin, end) in chunks; the job's pages are
         released after the last chunk or when the iterator is closed early.
@@ -247,7 +248,7 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start(lambda core: core.remote_send(request_id, ids, begin, end), request_id)
+            await self._start(lambda core: core.remote_send(request_id, ids, begin, end, cache_salt), request_id)
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):

@@ -147,7 +147,7 @@ class DisaggregationOps:
         if self.is_active(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self._check_fits_pool(len(ids) + 1)
-        pages = self.block_manager.acquire_prefix(ids, e)
+        pages = self.block_manager.acquire_prefix(ids, e, sampling.cache_salt if sampling else "")
         matched = len(pages) * self.page_size
         missing = num_pages_for(e, self.page_size) - len(pages)
         if not self.block_manager.can_allocate(missing):
@@ -204,7 +204,9 @@ class DisaggregationOps:
             raise InvalidRequestError(f"KV chunk dtype {data.dtype}, expected {self.config.dtype}")
 
     # ---- remote_send ----
-    def remote_send(self, request_id: str, token_ids: SequenceT[int], begin: int, end: int) -> None:
+    def remote_send(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = ""
+    ) -> None:
         """Start computing KV of prompt[:end]; a SendReady event says [begin, end) can be
         exported with export_kv; release it with abort() once exported."""
         request_id = validation.check_request_id(request_id)
@@ -215,6 +217,7 @@ class DisaggregationOps:
         self._check_fits_pool(e)
         seq = self._new_seq(request_id, ids[:e], e, SeqKind.SEND)
         seq.is_disaggregated = True
+        seq.cache_salt = validation.check_cache_salt(cache_salt)
         self._sends[request_id] = SendJob(seq, b, e)
         self.scheduler.add(seq)
 

@@ -100,6 +100,8 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     microserving: PatternHintsParam | None = None
+    # Narrows the prefix-cache scope (vLLM's name); the API key always scopes it too.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:

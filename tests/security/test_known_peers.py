@@ -33,7 +33,7 @@ class Listener:
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(16)
         self._sock.settimeout(0.2)
-        self.address = "127.0.0.1:%d" % self._sock.getsockname()[1]
+        self.address = f"127.0.0.1:{self._sock.getsockname()[1]}"
         self.received: list[bytes] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
