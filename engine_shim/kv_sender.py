@@ -6,6 +6,7 @@ each chunk's window."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 
@@ -139,7 +140,15 @@ async def push_kv(
         error_type = _PEER_ERRORS.get(error.code(), UnavailableError)
         raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
     finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await _close(chunks)
     if progress.error is not None:
         raise progress.error
     return response.num_tokens_written, response.num_bytes_written
+
+
+async def _close(chunks: AsyncIterator[KVChunk]) -> None:
+    """Ends the engine's export (which releases its pages). When the receiver refused the
+    push early, gRPC's request-writing task may still be suspended inside the chunks; gRPC
+    cancels that task as the call ends, and the cancel closes them there."""
+    with contextlib.suppress(RuntimeError):  # "asynchronous generator is already running"
+        await chunks.aclose()  # type: ignore[attr-defined]
