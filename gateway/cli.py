@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--header-timeout-s", type=float,
                         help="seconds to complete request headers before the connection closes "
                              "(default 10)")
+    parser.add_argument("--max-choices-per-request", type=int,
+                        help="most completions (prompts x n) one request may ask for (default 256)")
     parser.add_argument("--router-streams", type=int,
                         help="most long-lived Router.Generate calls to multiplex requests on (default 16)")
     parser.add_argument("--requests-per-router-stream", type=int,

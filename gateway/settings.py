@@ -47,6 +47,10 @@ class GatewaySettings(BaseSettings):
         default=10.0, gt=0,
         description="Time a connection has to complete a request's headers when no request is "
                     "in progress (closed after it).")
+    max_choices_per_request: int = Field(
+        default=256, ge=1,
+        description="Most completions (prompts x n) one request may ask for; more is a 400. "
+                    "Each counts against max_inflight.")
     router_streams: int = Field(
         default=16, ge=1,
         description="Most long-lived Router.GenerateBatched calls (per worker) the gateway "

@@ -24,7 +24,7 @@ import grpc
 
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, engine_pb2
-from router import engine_calls, patterns
+from router import engine_calls, kv_room, patterns
 from router.context import RequestContext
 from router.conversions import engine_to_completion, request_to_sampling
 from router.discovery import DnsWatcher, parse_engine_spec
@@ -306,6 +306,9 @@ class Router:
 
     async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Decode:
         """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
+        await kv_room.wait_for_room(
+            lambda: self.registry.candidates(DECODE, exclude=ctx.excluded), len(job.token_ids),
+            self.settings.kv_full_wait_s)
         return await patterns.pattern_for(self, ctx)(self, job, ctx)
 
     # ---- context migration ----

@@ -104,10 +104,12 @@ class GenerationServing(ABC, Generic[RequestT]):
         for router_request in router_requests:
             router_request.sampling.cache_salt = salt
         started_s = time.perf_counter()
-        self.context.admission.acquire()
+        num_choices = sum(r.sampling.n or 1 for r in router_requests)
+        units = self.context.admission.acquire(num_choices)
         self.context.metrics.inflight.inc()
         stream = self.context.router.open_stream()
-        cleanup = Once(stream.close, self.context.admission.release, self.context.metrics.inflight.dec)
+        cleanup = Once(stream.close, lambda: self.context.admission.release(units),
+                       self.context.metrics.inflight.dec)
         events = relay(stream, router_requests, request.n, self.context.metrics, started_s)
         try:
             if request.stream:
