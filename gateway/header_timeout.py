@@ -4,6 +4,8 @@ or between keep-alive requests) and has not completed a request's headers within
 a response; a client that connects and sends nothing, or trickles a header line by line,
 would otherwise hold its connection (and a file descriptor) forever.
 
+Also answers requests the HTTP parser refuses with an OpenAI error body.
+
 Works with uvicorn's h11 and httptools protocols alike: both set `cycle` when a request's
 headers are complete and call `on_response_complete` when its response is sent.
 """
@@ -11,6 +13,7 @@ headers are complete and call `on_response_complete` when its response is sent.
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from uvicorn.config import HTTP_PROTOCOLS
@@ -44,6 +47,16 @@ def header_timeout_protocol(header_timeout_s: float, http: str = "auto") -> type
             if self._header_timer is not None:
                 self._header_timer.cancel()
                 self._header_timer = None
+
+        def send_400_response(self, msg: str) -> None:
+            """A request the HTTP parser refuses (e.g. control characters in a header) gets
+            an OpenAI error body like every other 400, not uvicorn's plain text."""
+            body = json.dumps({"error": {"message": msg, "type": "invalid_request_error",
+                                         "param": None, "code": "invalid_http_request"}}).encode()
+            head = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                    b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body))
+            self.transport.write(head + body)
+            self.transport.close()
 
         def _on_header_timeout(self) -> None:
             self._header_timer = None
