@@ -11,6 +11,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
+from microserving.v1 import engine_pb2
 from router.endpoint import Endpoint
 from router.errors import OverloadedError
 
@@ -19,10 +20,16 @@ _POLL_S = 0.1
 
 
 def is_full(endpoint: Endpoint, num_tokens: int) -> bool:
+    """Full in the engine's last status or the one before: a full pool frees pages for a
+    moment whenever a request ends (until the next waiting one takes them), and one such
+    snapshot must not let a request through to queue behind the others."""
+    return any(_is_full(status, num_tokens) for status in (endpoint.status, endpoint.previous_status))
+
+
+def _is_full(status: engine_pb2.GetStatusResponse | None, num_tokens: int) -> bool:
     """Requests wait on the engine (admission is first come, first served, so a new one
     waits behind them) and its free pages are below a quarter of the pool or below what this
     prompt needs: the queue is waiting for KV, not for a batch slot."""
-    status = endpoint.status
     page_size = status.kv_layout.page_size if status is not None else 0
     if status is None or not status.num_waiting_requests or not page_size:
         return False
