@@ -85,6 +85,9 @@ class Backend(Protocol):
 
     async def status(self) -> EngineStatus: ...
 
+    def tell_peers(self, addresses: Sequence[str]) -> None:
+        """The engines a router has registered (GetStatusRequest.kv_peers): where KV may go."""
+
 
 async def drain_generate(
     outputs: AsyncIterator[GenerateOutput], on_output: Callable[[GenerateOutput], None]

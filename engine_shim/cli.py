@@ -47,6 +47,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-write-timeout-s", float, "bound on one NIXL KV write"),
     ("--kv-shm", str, "true | false: KV through shared memory between shims of one host"),
     ("--kv-shm-max-mb", int, "shared-memory KV stages a receiving shim keeps at most"),
+    ("--kv-peers", str, "comma-separated host:port this shim may push KV to (besides routers' engines)"),
+    ("--kv-peer-ttl-s", float, "seconds an engine a router reported stays a KV peer"),
+    ("--kv-push-timeout-s", float, "deadline of one KV push to a peer"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
     ("--stream-interval-ms", float, "Engine.Generate: least ms between messages after a "
      "request's first token (several steps per message; default 0: one per step)"),

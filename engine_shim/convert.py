@@ -48,6 +48,7 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
         logprobs=pb.logprobs,
         top_logprobs=pb.top_logprobs,
         ignore_eos=pb.ignore_eos,
+        cache_salt=pb.cache_salt,
     )
 
 
@@ -65,6 +66,7 @@ def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
         logprobs=sampling.logprobs,
         top_logprobs=sampling.top_logprobs,
         ignore_eos=sampling.ignore_eos,
+        cache_salt=sampling.cache_salt,
     )
     if sampling.max_tokens is not None:
         pb.max_tokens = sampling.max_tokens
@@ -107,6 +109,7 @@ def usage_to_pb(usage: Usage) -> common_pb2.Usage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.total_tokens,
         cached_tokens=usage.cached_tokens,
+        kv_transferred_tokens=usage.transferred_tokens,
     )
 
 

@@ -26,7 +26,8 @@ from engine_shim.kv_addr import KVAddrInfo
 from engine_shim.kv_codec import bytes_per_token, staged_chunk
 from engine_shim.kv_nixl import NixlPlane, load_nixl
 from engine_shim.kv_nixl_sender import WriteTimes, write_kv
-from engine_shim.kv_receiver import KVTransferServicer, ReceiveTable, check_layout
+from engine_shim.kv_peers import PeerAllowList
+from engine_shim.kv_receiver import HoldListener, KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
 from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
 from engine_shim.settings import ShimSettings
@@ -82,6 +83,7 @@ class EmbeddedBackend:
         self._segments = SegmentMaps(self._host) if self._host else None
         self._table = ReceiveTable(settings.reservation_ttl_s, self._staging)
         self._peers = PeerChannels(settings.transport())
+        self.kv_peers = PeerAllowList(settings.kv_peers, settings.kv_peer_ttl_s)
         self._address = ""
 
     @property
@@ -139,9 +141,9 @@ class EmbeddedBackend:
             raise UnavailableError("engine is still loading")
         return self._engine.kv_layout
 
-    def kv_transfer_servicer(self) -> KVTransferServicer:
+    def kv_transfer_servicer(self, on_hold: HoldListener | None = None) -> KVTransferServicer:
         # The plane is made at start, after the servicer: looked up at each call.
-        return KVTransferServicer(self._table, self, lambda: self._nixl)
+        return KVTransferServicer(self._table, self, lambda: self._nixl, on_hold)
 
     async def prep_recv(
         self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
@@ -178,12 +180,13 @@ class EmbeddedBackend:
         sampling: SamplingParams,
     ) -> SendResult:
         addr = KVAddrInfo.decode(kv_addr_info)
+        self.kv_peers.check(addr.address)
         _check_window_fits(request_id, begin, end, addr)
         check_layout(addr.layout, self.engine.kv_layout)
         if addr.begin >= end:  # the receiver already holds the whole window
             return SendResult(0, 0, 0)
         if self._can_write_nixl(addr):
-            return await self._write_nixl(request_id, token_ids, begin, end, addr)
+            return await self._write_nixl(request_id, token_ids, begin, end, addr, sampling)
         stage = self._stage(addr)
         # With a stage, the engine exports each chunk straight into its window of it.
         export_into = (
@@ -191,7 +194,7 @@ class EmbeddedBackend:
         )
         started = time.perf_counter()
         chunks: AsyncIterator[KVChunk] = self.engine.remote_send(
-            request_id, list(token_ids), addr.begin, end, export_into
+            request_id, list(token_ids), addr.begin, end, export_into, sampling.cache_salt
         )
         num_tokens, num_bytes = await push_kv(
             self._peers,
@@ -199,6 +202,7 @@ class EmbeddedBackend:
             chunks,
             max_payload_bytes=self._settings.kv_push_chunk_bytes,
             is_staged=stage is not None,
+            timeout_s=self._settings.kv_push_timeout_s,
         )
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",
@@ -219,11 +223,19 @@ class EmbeddedBackend:
         return True
 
     async def _write_nixl(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int, addr: KVAddrInfo
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        begin: int,
+        end: int,
+        addr: KVAddrInfo,
+        sampling: SamplingParams,
     ) -> SendResult:
         assert self._nixl is not None  # checked by _can_write_nixl
         started = time.perf_counter()
-        held = self.engine.held_send(request_id, list(token_ids), begin, end)
+        held = self.engine.held_send(
+            request_id, list(token_ids), begin, end, sampling.cache_salt
+        )
         times = WriteTimes()
         num_tokens, num_bytes = await write_kv(
             self._peers, self._nixl, addr, held,
@@ -264,6 +276,9 @@ class EmbeddedBackend:
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self.engine.import_kv(request_id, chunk)
 
+    async def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        await self.engine.hold_reservation(request_id, is_held)
+
     async def abort(self, request_id: str) -> bool:
         self._table.close(request_id)
         return bool(await self.engine.abort(request_id))
@@ -276,6 +291,9 @@ class EmbeddedBackend:
 
     async def status(self) -> EngineStatus:
         return self.engine.status()
+
+    def tell_peers(self, addresses: Sequence[str]) -> None:
+        self.kv_peers.tell(addresses)
 
 
 def _start_nixl(transport: str, pool: torch.Tensor | None) -> NixlPlane | None:

@@ -19,6 +19,7 @@ from engine_shim.engine.api import (
     FailedPreconditionError,
     InvalidRequestError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
     UnavailableError,
 )
@@ -31,6 +32,7 @@ _CODES: tuple[tuple[type[EngineError], grpc.StatusCode], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT),
     (NotFoundError, grpc.StatusCode.NOT_FOUND),
     (FailedPreconditionError, grpc.StatusCode.FAILED_PRECONDITION),
+    (PermissionDeniedError, grpc.StatusCode.PERMISSION_DENIED),
     (ResourceExhaustedError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (UnavailableError, grpc.StatusCode.UNAVAILABLE),
 )

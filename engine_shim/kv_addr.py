@@ -111,5 +111,7 @@ class KVAddrInfo:
             )
         except InvalidRequestError:
             raise
+        except RecursionError:  # JSON nested past the parser's depth
+            raise InvalidRequestError("malformed kv_addr_info: nested too deeply") from None
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise InvalidRequestError(f"malformed kv_addr_info: {error}") from None

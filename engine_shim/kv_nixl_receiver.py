@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from engine_shim.convert import layout_from_pb
@@ -38,8 +38,10 @@ async def receive_write(
     table: ReceiveTable,
     plane: NixlPlane | None,
     sink: KVWriteSink,
+    hold: Callable[[str, bool], Awaitable[None]] | None = None,
 ) -> AsyncIterator[engine_pb2.WriteKVResponse]:
-    """WriteKV's events: ready, then done."""
+    """WriteKV's events: ready, then done. `hold` (like PushKV's) keeps the reservation from
+    expiring while the sender writes; the write deadline still bounds the wait."""
     if plane is None:
         raise InvalidRequestError("this shim offers no NIXL writes (see --kv-transport)")
     if not 0 < request.write_deadline_ms <= MAX_WRITE_DEADLINE_MS:
@@ -55,12 +57,16 @@ async def receive_write(
             raise InvalidRequestError("the write offer quoted is not the one this reservation made")
         landed = plane.expect(request.sender_agent, tag)
         await sink.begin_kv_write(request.request_id, write_ends_at)
+        if hold is not None:
+            await hold(request.request_id, True)
         yield engine_pb2.WriteKVResponse(ready=engine_pb2.KVWriteReady())
         try:
             await asyncio.wait_for(landed, max(0.0, write_ends_at - time.monotonic()))
         except TimeoutError:
             raise UnavailableError("the sender's KV write did not land by its deadline") from None
         await sink.finish_kv_write(request.request_id)
+        if hold is not None:
+            await hold(request.request_id, False)
     except BaseException:
         # Refused, broken off, cancelled or late: nothing stays reserved (pages fenced).
         plane.forget(tag)

@@ -39,6 +39,9 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc
 if TYPE_CHECKING:
     from engine_shim.kv_nixl import NixlPlane
 
+# Told when a push begins (True) and ends (False): the shim's request tracker holds its view
+# of the reservation alike.
+HoldListener = Callable[[str, bool], None]
 KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
@@ -84,12 +87,14 @@ class ReceiveTable:
             raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
         if ticket.is_receiving:
             raise AlreadyExistsError(f"a KV push for {request_id!r} is already in progress")
-        ticket.is_receiving = True
+        ticket.is_receiving = True  # a ticket being filled does not expire
         return ticket
 
     def finish(self, ticket: Ticket) -> None:
-        """A push into `ticket` completed: its stage can serve another reservation."""
+        """A push into `ticket` completed: its stage can serve another reservation, and its
+        TTL starts again."""
         ticket.is_receiving = False
+        ticket.expires_at_s = time.monotonic() + self._ttl_s
         self._give_back(ticket, is_clean=True)
 
     def close(self, request_id: str) -> None:
@@ -103,7 +108,8 @@ class ReceiveTable:
 
     def _close_expired(self) -> None:
         now = time.monotonic()
-        for request_id in [r for r, t in self._tickets.items() if t.expires_at_s <= now]:
+        expired = [r for r, t in self._tickets.items() if t.expires_at_s <= now and not t.is_receiving]
+        for request_id in expired:
             self.close(request_id)
 
     def _give_back(self, ticket: Ticket, is_clean: bool) -> None:
@@ -119,6 +125,8 @@ class KVSink(Protocol):
         ...
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None: ...
+
+    async def hold_reservation(self, request_id: str, is_held: bool) -> None: ...
 
     async def abort(self, request_id: str) -> bool: ...
 
@@ -157,10 +165,17 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         table: ReceiveTable,
         sink: KVSink,
         nixl: Callable[[], NixlPlane | None] = lambda: None,
+        on_hold: HoldListener | None = None,
     ) -> None:
         self._table = table
         self._sink = sink
         self._nixl = nixl  # this shim's NIXL agent, if it has one
+        self._on_hold = on_hold
+
+    async def _hold(self, request_id: str, is_held: bool) -> None:
+        await self._sink.hold_reservation(request_id, is_held)
+        if self._on_hold is not None:
+            self._on_hold(request_id, is_held)
 
     def add_to_server(self, server: aio.Server) -> None:
         """Registers KVTransfer like the generated `add_KVTransferServicer_to_server`, except
@@ -188,7 +203,7 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         from engine_shim.kv_nixl_receiver import KVWriteSink, receive_write  # imports this file
 
         sink = cast(KVWriteSink, self._sink)
-        async for event in receive_write(request, self._table, self._nixl(), sink):
+        async for event in receive_write(request, self._table, self._nixl(), sink, self._hold):
             yield event
 
     @map_errors
@@ -206,7 +221,11 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         check_layout(layout_from_pb(header.layout), self._sink.kv_layout)
         ticket = self._table.claim(header.request_id, header.reservation_token)
         try:
+            # The sender opens the push before it computes the KV: from here the reservation
+            # lives as long as the push, however long the sender's queue.
+            await self._hold(header.request_id, True)
             num_bytes = await self._receive(header.request_id, ticket, messages)
+            await self._hold(header.request_id, False)
         except BaseException:
             # Broken off, cancelled or invalid: nothing stays reserved.
             self._table.close(header.request_id)

@@ -5,7 +5,11 @@ each chunk's window."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections import OrderedDict
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 from grpc import aio
@@ -33,55 +37,75 @@ PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 
 _PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
 _WRITE_KV_METHOD = "/microserving.v1.KVTransfer/WriteKV"
+# A push still running on an evicted channel gets this long to finish.
+_CLOSE_GRACE_S = 30.0
 
 
 def _pass_through(message: bytes) -> bytes:
     return message
 
 
+@dataclass
+class _Peer:
+    """A peer's channel and its stubs (WriteKV made on first use)."""
+
+    channel: aio.Channel
+    push: aio.StreamUnaryMultiCallable
+    write: aio.UnaryStreamMultiCallable | None = None
+
+
 class PeerChannels:
-    """One channel per peer address, reused by every transfer to that peer. Requests go out
-    as pre-encoded protobuf bytes (see kv_codec.encode_chunk_request)."""
+    """One channel per peer address, reused by every transfer to that peer (PushKV and the
+    WriteKV handshake of NIXL writes); at most `max_channels`, the least recently used closed
+    first (peers come and go with the deployment). Requests go out as pre-encoded protobuf
+    bytes (kv_codec.encode_chunk_request)."""
 
-    def __init__(self, transport: TransportSettings) -> None:
+    def __init__(self, transport: TransportSettings, max_channels: int = 64) -> None:
         self._transport = transport
-        self._stubs: dict[str, aio.StreamUnaryMultiCallable] = {}
-        self._write_stubs: dict[str, aio.UnaryStreamMultiCallable] = {}
-        self._channels: dict[str, aio.Channel] = {}
+        self._max_channels = max_channels
+        self._peers: OrderedDict[str, _Peer] = OrderedDict()
+        self._closing: set[asyncio.Task[None]] = set()
 
-    def _channel(self, address: str) -> aio.Channel:
-        channel = self._channels.get(address)
-        if channel is None:
-            channel = self._channels[address] = create_channel(address, self._transport)
-        return channel
+    @property
+    def num_channels(self) -> int:
+        return len(self._peers)
 
-    def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
-        stub = self._stubs.get(address)
-        if stub is None:
-            stub = self._stubs[address] = self._channel(address).stream_unary(
+    def _peer(self, address: str) -> _Peer:
+        peer = self._peers.pop(address, None)
+        if peer is None:
+            channel = create_channel(address, self._transport)
+            peer = _Peer(channel, channel.stream_unary(
                 _PUSH_KV_METHOD,
                 request_serializer=_pass_through,
                 response_deserializer=engine_pb2.PushKVResponse.FromString,
-            )
-        return stub
+            ))
+        self._peers[address] = peer  # most recently used last
+        while len(self._peers) > self._max_channels:
+            _, oldest = self._peers.popitem(last=False)
+            task = asyncio.ensure_future(oldest.channel.close(grace=_CLOSE_GRACE_S))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+        return peer
+
+    def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
+        return self._peer(address).push
 
     def write_stub(self, address: str) -> aio.UnaryStreamMultiCallable:
         """KVTransfer.WriteKV of the peer (the handshake of a NIXL write)."""
-        stub = self._write_stubs.get(address)
-        if stub is None:
-            stub = self._write_stubs[address] = self._channel(address).unary_stream(
+        peer = self._peer(address)
+        if peer.write is None:
+            peer.write = peer.channel.unary_stream(
                 _WRITE_KV_METHOD,
                 request_serializer=engine_pb2.WriteKVRequest.SerializeToString,
                 response_deserializer=engine_pb2.WriteKVResponse.FromString,
             )
-        return stub
+        return peer.write
 
     async def close(self) -> None:
-        for channel in self._channels.values():
-            await channel.close()
-        self._channels.clear()
-        self._stubs.clear()
-        self._write_stubs.clear()
+        for peer in self._peers.values():
+            await peer.channel.close()
+        self._peers.clear()
+        await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 class _Progress:
@@ -142,7 +166,15 @@ async def push_kv(
         error_type = PEER_ERRORS.get(error.code(), UnavailableError)
         raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
     finally:
-        await chunks.aclose()  # type: ignore[attr-defined]
+        await _close(chunks)
     if progress.error is not None:
         raise progress.error
     return response.num_tokens_written, response.num_bytes_written
+
+
+async def _close(chunks: AsyncIterator[KVChunk]) -> None:
+    """Ends the engine's export (which releases its pages). When the receiver refused the
+    push early, gRPC's request-writing task may still be suspended inside the chunks; gRPC
+    cancels that task as the call ends, and the cancel closes them there."""
+    with contextlib.suppress(RuntimeError):  # "asynchronous generator is already running"
+        await chunks.aclose()  # type: ignore[attr-defined]

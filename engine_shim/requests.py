@@ -4,6 +4,7 @@ and no live PrepRecv, and reservations the engine's TTL has reclaimed."""
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -74,6 +75,13 @@ class RequestTracker:
 
     def end_remote_send(self, request_id: str) -> None:
         self._sending.discard(request_id)
+
+    def hold(self, request_id: str, is_held: bool) -> None:
+        """A KV push into the reservation began (it does not expire while the push is open)
+        or ended (its TTL starts again); the engine holds its own copy alike."""
+        reservation = self._reserved.get(request_id)
+        if reservation is not None:
+            reservation.expires_at_s = math.inf if is_held else self._clock() + self._ttl_s
 
     def forget(self, request_id: str) -> None:
         """After an abort: the id holds nothing any more (a running stream ends by itself)."""

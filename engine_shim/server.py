@@ -66,7 +66,7 @@ class ShimServer:
         engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, server)
         kv_servicer = getattr(self.backend, "kv_transfer_servicer", None)
         if kv_servicer is not None:
-            kv_servicer().add_to_server(server)
+            kv_servicer(on_hold=self.servicer.hold_reservation).add_to_server(server)
             self._service_names.append(KV_TRANSFER_SERVICE)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [

@@ -31,6 +31,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._stream_interval_s = stream_interval_s
         self._stream_updates_per_s = stream_updates_per_s
         self._tracker = tracker
+        self.hold_reservation = tracker.hold  # told by the KV data plane (kv_receiver.py)
         self._role = role
         self._max_prompt_tokens = max_prompt_tokens
         self.is_ready = False
@@ -167,6 +168,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.GetStatusResponse:
         if not self.is_ready:
             raise UnavailableError("engine is still loading")
+        self._backend.tell_peers(request.kv_peers)
         info = self._backend.info
         status = await self._backend.status()
         return status_to_pb(

@@ -3,10 +3,10 @@ environment variables at the entry point only. Unknown options are rejected."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
 from microserving.transport import DEFAULT_MAX_MESSAGE_BYTES, TransportSettings
@@ -100,6 +100,18 @@ class ShimSettings(BaseSettings):
         description="Raise glibc's mmap/trim thresholds so large KV buffers reuse heap pages "
         "(engine_shim/malloc_tuning.py).",
     )
+    kv_peers: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="host:port addresses this shim may push KV to (comma-separated), besides "
+        "the engines routers report in their status polls.",
+    )
+    kv_peer_ttl_s: float = Field(
+        60.0, gt=0, description="How long an engine a router reported stays a KV peer unless "
+        "reported again (routers poll every health interval).",
+    )
+    kv_push_timeout_s: float = Field(
+        300.0, gt=0, description="Deadline of one KV push to a peer, queueing included."
+    )
     max_prompt_tokens: int = Field(
         1_000_000, ge=1, description="Largest prompt (token ids) one call may carry."
     )
@@ -140,6 +152,13 @@ class ShimSettings(BaseSettings):
     @classmethod
     def _step_profile_parses(cls, value: str) -> str:
         StepProfile.parse(value)  # ValueError -> a clear settings error at start-up
+        return value
+
+    @field_validator("kv_peers", mode="before")
+    @classmethod
+    def _split_peers(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [peer.strip() for peer in value.split(",") if peer.strip()]
         return value
 
     def transport(self) -> TransportSettings:

@@ -9,6 +9,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.routes import api, ops
@@ -59,6 +60,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.include_router(api)
     app.include_router(ops)
     install_error_handlers(app, on_error=metrics.count_error)
+    # Added last = outermost: the metrics middleware also counts the 413s and 408s.
+    app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     return app
 

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from gateway.app import create_app
+from gateway.header_timeout import header_timeout_protocol
 from gateway.settings import (
     WORKER_SETTINGS_ENV,
     GatewaySettings,
@@ -41,6 +42,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--api-key-file", help="file with one accepted API key per line")
     parser.add_argument("--max-inflight", type=int,
                         help="generation requests served at once; 0 = unlimited (default)")
+    parser.add_argument("--max-body-bytes", type=int,
+                        help="largest request body; larger ones get 413 unread (default 16 MiB)")
+    parser.add_argument("--body-timeout-s", type=float,
+                        help="seconds to send a request body before 408 (default 60)")
+    parser.add_argument("--header-timeout-s", type=float,
+                        help="seconds to complete request headers before the connection closes "
+                             "(default 10)")
+    parser.add_argument("--max-choices-per-request", type=int,
+                        help="most completions (prompts x n) one request may ask for (default 256)")
     parser.add_argument("--router-streams", type=int,
                         help="most long-lived Router.Generate calls to multiplex requests on (default 16)")
     parser.add_argument("--requests-per-router-stream", type=int,
@@ -98,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         _run_workers(settings, sock)
         return 0
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level,
-                            access_log=False, timeout_graceful_shutdown=5)
+                            access_log=False, timeout_graceful_shutdown=5,
+                            http=header_timeout_protocol(settings.header_timeout_s))
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 

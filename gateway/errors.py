@@ -39,6 +39,8 @@ NOT_FOUND = ErrorKind(404, "not_found_error", "model_not_found")
 # 400, as OpenAI and vLLM answer: the SDK raises BadRequestError and litellm recognises the
 # code as its ContextWindowExceededError.
 TOO_LONG = ErrorKind(400, "invalid_request_error", "context_length_exceeded")
+BODY_TOO_LARGE = ErrorKind(413, "invalid_request_error", "request_too_large")
+BODY_TIMEOUT = ErrorKind(408, "invalid_request_error", "request_timeout")
 OVERLOADED = ErrorKind(429, "rate_limit_error", "rate_limit_exceeded")
 INTERNAL = ErrorKind(500, "internal_error", "internal_error")
 UNAVAILABLE = ErrorKind(503, "service_unavailable_error", "service_unavailable")

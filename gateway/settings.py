@@ -37,6 +37,20 @@ class GatewaySettings(BaseSettings):
     max_inflight: int = Field(default=0, ge=0,
                               description="Generation requests served at once; 0 = unlimited. "
                                           "Requests over the limit get 429 with Retry-After.")
+    max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1024,
+        description="Largest request body accepted; larger ones get 413 before they are read.")
+    body_timeout_s: float = Field(default=60.0, gt=0,
+                                  description="Time a client has to send a request's whole body "
+                                              "(408 after it).")
+    header_timeout_s: float = Field(
+        default=10.0, gt=0,
+        description="Time a connection has to complete a request's headers when no request is "
+                    "in progress (closed after it).")
+    max_choices_per_request: int = Field(
+        default=256, ge=1,
+        description="Most completions (prompts x n) one request may ask for; more is a 400. "
+                    "Each counts against max_inflight.")
     router_streams: int = Field(
         default=16, ge=1,
         description="Most long-lived Router.GenerateBatched calls (per worker) the gateway "

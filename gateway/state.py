@@ -34,10 +34,11 @@ class GatewayState:
         router = RouterClient(settings.router, transport, max_calls=settings.router_streams,
                               requests_per_call=settings.requests_per_router_stream)
 
+        api_keys = ApiKeyChecker(settings.all_api_keys())
         context = ServingContext(router=router, metrics=metrics,
-                                 admission=AdmissionLimit(settings.max_inflight),
+                                 admission=AdmissionLimit(settings.max_inflight,
+                                                           settings.max_choices_per_request),
                                  served_model_name=settings.served_model_name,
-                                 on_error=metrics.count_error)
-        return cls(settings=settings, router=router, metrics=metrics,
-                   api_keys=ApiKeyChecker(settings.all_api_keys()),
+                                 on_error=metrics.count_error, is_keyed=api_keys.is_enabled)
+        return cls(settings=settings, router=router, metrics=metrics, api_keys=api_keys,
                    completions=CompletionServing(context), chat=ChatServing(context))

@@ -6,6 +6,7 @@ Imports no torch and no gRPC, so the router can tokenize without loading an engi
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -22,6 +23,9 @@ from microserving.token_bytes import token_bytes_table
 PRESET_NAMES: tuple[str, ...] = ("tiny", "llama-100m", "llama-1b")
 # The --model help of every command (one list of built-in models).
 MODEL_HELP = f"model preset ({', '.join(PRESET_NAMES)}; default tiny) or a local Hugging Face directory"
+
+# Texts from this many characters are encoded without holding the GIL (see encode).
+GIL_FREE_MIN_CHARS = 16_384
 
 # Byte tokens take ids 0..255 (id == byte value); the specials follow in this order.
 BYTE_SPECIAL_TOKENS: tuple[str, ...] = (
@@ -118,6 +122,16 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return int(self._backend.get_vocab_size(with_added_tokens=True))
 
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """Characters the longest vocabulary entry spells (a byte-level entry spells one
+        character per byte, and a character of text takes at least one byte): a text of
+        c characters encodes to at least c / max_token_chars tokens, unless a normalizer
+        drops characters. Lets a caller refuse a text too long for any context without
+        tokenizing it."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        return max((len(token) for token in vocab), default=1)
+
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
         return self._eos_token_ids
@@ -132,6 +146,11 @@ class Tokenizer:
 
     # ---- text <-> ids ----
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) >= GIL_FREE_MIN_CHARS:
+            # encode_batch lets go of the GIL (encode does not): a long text tokenized in a
+            # worker thread then leaves the caller's event loop running.
+            encoded = self._backend.encode_batch([text], add_special_tokens=add_special_tokens)
+            return list(encoded[0].ids)
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

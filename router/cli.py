@@ -49,6 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine attempts per request: retries before the first token, resumes after it")
     add("--max-inflight", type=int, help="requests served at once; 0 = unlimited (RESOURCE_EXHAUSTED over it)")
     add("--health-timeout-s", type=float, help="deadline of one health check or GetStatus")
+    add("--kv-full-wait-s", type=float,
+        help="seconds a request waits for KV room when every engine is full, then RESOURCE_EXHAUSTED")
     add("--engine-stream", action=argparse.BooleanOptionalAction, default=None,
         help="decode over one multiplexed Engine.Generate stream per engine (default), or "
         "--no-engine-stream: one StartGenerate call per request")

@@ -19,6 +19,7 @@ class RequestContext:
     # Decode on the engine's multiplexed Generate stream (the runner's fast path) instead of
     # a StartGenerate call.
     use_engine_stream: bool = False
+    cache_salt: str = ""  # the request's prefix-cache scope (SamplingParams.cache_salt)
 
     def touch(self, address: str) -> None:
         self.touched[address] = None

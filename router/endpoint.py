@@ -49,6 +49,7 @@ class Endpoint:
     channel: aio.Channel | None = None
     health: int = router_pb2.ENGINE_HEALTH_UNSPECIFIED
     status: engine_pb2.GetStatusResponse | None = None
+    previous_status: engine_pb2.GetStatusResponse | None = None  # the poll before `status`
     external_load: float = 0.0
     is_removed: bool = False
     inflight: dict[str, int] = field(default_factory=dict)
@@ -89,7 +90,7 @@ class Endpoint:
         return self.status.kv_layout.page_size
 
     def update_status(self, status: engine_pb2.GetStatusResponse) -> None:
-        self.status = status
+        self.previous_status, self.status = self.status, status
         reported = (
             status.num_running_requests + status.num_waiting_requests + status.num_reserved_requests
         )

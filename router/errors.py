@@ -19,6 +19,10 @@ class RouterError(Exception):
         self.message = message
         self.param = param
 
+    def client_view(self) -> tuple[grpc.StatusCode, str, str]:
+        """(code, message, param) as the router's clients see them."""
+        return self.code, self.message, self.param
+
 
 class InvalidRequestError(RouterError):
     code = grpc.StatusCode.INVALID_ARGUMENT
@@ -52,12 +56,23 @@ class EngineCallError(RouterError):
     status code (DEADLINE_EXCEEDED when a router-side stage deadline fired)."""
 
     def __init__(
-        self, message: str, *, code: grpc.StatusCode, address: str, stage: str
+        self, message: str, *, code: grpc.StatusCode, address: str, stage: str, detail: str = ""
     ) -> None:
         super().__init__(message)
         self.code = code
         self.address = address
         self.stage = stage
+        self.detail = detail  # the engine's own message
+
+    def client_view(self) -> tuple[grpc.StatusCode, str, str]:
+        """The engine's code only where it speaks of the request (and then with the engine's
+        message); any other failure is the deployment's, told plainly as UNAVAILABLE or
+        RESOURCE_EXHAUSTED, never as the engine's NOT_FOUND and never with its address."""
+        if self.code in _REQUEST_FAULT_CODES and self.stage != "remote_send":
+            return self.code, f"the engine refused the request: {self.detail}", ""
+        if self.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return self.code, "the engines have no room for this request now; retry later", ""
+        return grpc.StatusCode.UNAVAILABLE, "the engines could not serve this request; retry later", ""
 
     @property
     def is_engine_fault(self) -> bool:
@@ -66,6 +81,8 @@ class EngineCallError(RouterError):
 
     @property
     def is_retryable(self) -> bool:
+        if self.stage in _PD_STAGES and self.code in _PD_HANDOFF_CODES:
+            return True  # e.g. the reservation expired while the push waited: try again
         return self.code in _RETRYABLE_CODES
 
 
@@ -79,3 +96,12 @@ _ENGINE_FAULT_CODES = frozenset(
 )
 # A request that failed for one of these reasons may succeed on another engine.
 _RETRYABLE_CODES = _ENGINE_FAULT_CODES | {grpc.StatusCode.RESOURCE_EXHAUSTED}
+# The request's own fault: the client sees these codes as the engine gave them.
+_REQUEST_FAULT_CODES = frozenset({grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE})
+# A KV hand-off between engines that failed for the engines' reasons (a reservation gone, a
+# push already running, a window that moved): the attempt can start over.
+_PD_STAGES = frozenset({"prep_recv", "remote_send"})
+_PD_HANDOFF_CODES = frozenset(
+    {grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.ALREADY_EXISTS,
+     grpc.StatusCode.ABORTED, grpc.StatusCode.PERMISSION_DENIED}
+)

@@ -6,7 +6,9 @@ Raises InvalidRequestError (with the field at fault) or ModelNotFoundError; neve
 
 from __future__ import annotations
 
+import asyncio
 import math
+import weakref
 from dataclasses import dataclass
 
 from microserving.tokenizer import Tokenizer
@@ -17,6 +19,12 @@ MAX_REQUEST_ID_CHARS = 256
 MAX_CHOICES = 16
 MAX_TOP_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT_CHARS = 256
+# Inputs from this many characters are tokenized in a worker thread, this many at once.
+OFF_LOOP_MIN_CHARS = 16_384
+MAX_OFF_LOOP_TOKENIZATIONS = 2
+_off_loop_slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = (
+    weakref.WeakKeyDictionary())
 
 
 @dataclass(frozen=True)
@@ -49,6 +57,7 @@ def prepare(
         raise ModelNotFoundError(f"model {request.model!r} is not served here", param="model")
     vocab_size = tokenizer.vocab_size  # asked once: the tokenizers backend call is not free
     check_sampling(request.sampling, vocab_size)
+    check_size(request, tokenizer, max_context_length)
     token_ids, text = _tokenize(request, tokenizer, vocab_size)
     check_length(len(token_ids), request.sampling, max_context_length)
     return PreparedRequest(
@@ -60,6 +69,54 @@ def prepare(
         hints=request.hints,
         echo=request.echo,
     )
+
+
+async def prepare_off_loop(
+    request: router_pb2.NewRequest,
+    tokenizer: Tokenizer,
+    model_id: str,
+    max_context_length: int | None,
+) -> PreparedRequest:
+    """`prepare`, in a worker thread when the input is long (the tokenizer lets go of the GIL
+    for long texts), so a big prompt never holds the event loop and the other streams; at
+    most a few such tokenizations run at once."""
+    if input_chars(request) < OFF_LOOP_MIN_CHARS:
+        return prepare(request, tokenizer, model_id, max_context_length)
+    loop = asyncio.get_running_loop()
+    slots = _off_loop_slots.setdefault(loop, asyncio.Semaphore(MAX_OFF_LOOP_TOKENIZATIONS))
+    async with slots:
+        return await asyncio.to_thread(prepare, request, tokenizer, model_id, max_context_length)
+
+
+def input_chars(request: router_pb2.NewRequest) -> int:
+    """Characters (or token ids) of the request's input; costs no pass over the text."""
+    kind = request.WhichOneof("input")
+    if kind == "text":
+        return len(request.text)
+    if kind == "token_ids":
+        return len(request.token_ids.ids)
+    if kind == "chat":
+        return sum(len(m.content) + len(m.role) for m in request.chat.messages)
+    return 0
+
+
+def check_size(request: router_pb2.NewRequest, tokenizer: Tokenizer, max_context_length: int | None) -> None:
+    """Refuses an input that cannot fit the context whatever it tokenizes to, before
+    tokenizing: more token ids than the context, or more characters than the context's
+    tokens can spell (each token spells at most `max_token_chars`)."""
+    if max_context_length is None:
+        return
+    size = input_chars(request)
+    if request.WhichOneof("input") == "token_ids":
+        if size >= max_context_length:
+            raise ContextLengthError(
+                f"the prompt has {size} tokens; the context holds {max_context_length}", param="input")
+        return
+    max_chars = max_context_length * tokenizer.max_token_chars
+    if size > max_chars:
+        raise ContextLengthError(
+            f"the prompt has {size} characters, more than any prompt that fits the context of "
+            f"{max_context_length} tokens", param="input")
 
 
 def _tokenize(request: router_pb2.NewRequest, tokenizer: Tokenizer, vocab_size: int) -> tuple[list[int], str]:
@@ -121,6 +178,9 @@ def check_sampling(sampling: common_pb2.SamplingParams, vocab_size: int) -> None
         raise InvalidRequestError("top_logprobs must lie in [0, 20]", param="sampling.top_logprobs")
     if len(sampling.stop) > MAX_STOP_STRINGS or any(not s for s in sampling.stop):
         raise InvalidRequestError("stop takes up to 16 non-empty strings", param="sampling.stop")
+    if len(sampling.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt takes at most {MAX_CACHE_SALT_CHARS} characters",
+                                  param="sampling.cache_salt")
     if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
         raise InvalidRequestError("stop_token_ids must be token ids", param="sampling.stop_token_ids")
 

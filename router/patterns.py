@@ -51,7 +51,7 @@ def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
 async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
     engine = router.select_engine(DECODE, job.token_ids, ctx)
-    router.prefix_index.record(engine.address, job.token_ids)
+    router.prefix_index.record(engine.address, job.token_ids, job.sampling.cache_salt)
     return engine_calls.decode(router, engine, job, 0)
 
 
@@ -70,8 +70,9 @@ async def _disagg_with_factor(
             router, prefill, job, begin=matched, end=end, kv_addr_info=kv_addr_info,
             recv_rank=router.device_id_start(decode.address),
         )
-    router.prefix_index.record(prefill.address, prompt[:decode_start])
-    router.prefix_index.record(decode.address, prompt)
+    salt = job.sampling.cache_salt
+    router.prefix_index.record(prefill.address, prompt[:decode_start], salt)
+    router.prefix_index.record(decode.address, prompt, salt)
     return engine_calls.decode(router, decode, job, decode_start)
 
 
@@ -97,7 +98,7 @@ async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -
     prompt = job.token_ids
     decode = router.select_engine(DECODE, prompt, ctx)
     prefill = router.try_select_engine(PREFILL, prompt, ctx, avoid=[decode.address])
-    cached = router.prefix_index.match_all([decode.address], prompt)[decode.address]
+    cached = router.prefix_index.match_all([decode.address], prompt, ctx.cache_salt)[decode.address]
     if prefill is not None:
         decision = adaptive_split(
             router.adaptive_policy, num_prompt_tokens=len(prompt), num_cached_tokens=cached,
@@ -109,7 +110,7 @@ async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -
     else:
         factor = 0.0
     if prefill is None:
-        router.prefix_index.record(decode.address, prompt)
+        router.prefix_index.record(decode.address, prompt, job.sampling.cache_salt)
     return await _disagg_with_factor(router, job, factor, decode, prefill)
 
 
@@ -121,7 +122,12 @@ async def migrate(router: Router, token_ids: list[int], source: str, target: str
         raise InvalidRequestError(f"target {target!r} is not an available engine", param="target")
     request_id = f"migrate-{uuid.uuid4().hex}"
     ctx = router.open_context(request_id)
-    source = source or _choose_source(router, token_ids, target, ctx)
+    try:
+        source = source or _choose_source(router, token_ids, target, ctx)
+        source_engine = router.endpoint(source)  # a registered engine, or InvalidRequestError
+    except BaseException:
+        router.close_context(ctx)
+        raise
     job = EngineJob(request_id, token_ids, common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1))
     try:
         kv_addr_info, matched = await engine_calls.prep_recv(router, target_engine, job, -1)
@@ -129,7 +135,7 @@ async def migrate(router: Router, token_ids: list[int], source: str, target: str
         moved = 0
         if matched < end:
             await engine_calls.remote_send(
-                router, router.endpoint(source), job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
+                router, source_engine, job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
                 recv_rank=router.device_id_start(target),
             )
             moved = end - matched

@@ -15,10 +15,11 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 
-def page_hash_chain(token_ids: Sequence[int], page_size: int) -> list[bytes]:
-    """One digest per full page; digest k depends on tokens [0, (k + 1) * page_size)."""
+def page_hash_chain(token_ids: Sequence[int], page_size: int, salt: str = "") -> list[bytes]:
+    """One digest per full page; digest k depends on tokens [0, (k + 1) * page_size) and on
+    the cache salt (prompts of different tenants never look alike)."""
     chain: list[bytes] = []
-    previous = b""
+    previous = hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
     for start in range(0, len(token_ids) - page_size + 1, page_size):
         page = array("i", token_ids[start : start + page_size]).tobytes()
         previous = hashlib.blake2b(previous + page, digest_size=16).digest()
@@ -36,10 +37,10 @@ class PrefixIndex:
         self.max_pages_per_engine = max_pages_per_engine
         self._pages: dict[str, OrderedDict[bytes, None]] = {}
 
-    def record(self, address: str, token_ids: Sequence[int]) -> None:
-        """Note that `address` now caches the full pages of `token_ids`."""
+    def record(self, address: str, token_ids: Sequence[int], salt: str = "") -> None:
+        """Note that `address` now caches the full pages of `token_ids` (under `salt`)."""
         pages = self._pages.setdefault(address, OrderedDict())
-        for digest in page_hash_chain(token_ids, self.page_size):
+        for digest in page_hash_chain(token_ids, self.page_size, salt):
             pages[digest] = None
             pages.move_to_end(digest)
         while len(pages) > self.max_pages_per_engine:
@@ -58,8 +59,8 @@ class PrefixIndex:
             num_pages += 1
         return num_pages * self.page_size
 
-    def match_all(self, addresses: Sequence[str], token_ids: Sequence[int]) -> dict[str, int]:
-        chain = page_hash_chain(token_ids, self.page_size)
+    def match_all(self, addresses: Sequence[str], token_ids: Sequence[int], salt: str = "") -> dict[str, int]:
+        chain = page_hash_chain(token_ids, self.page_size, salt)
         return {address: self.matched_tokens(address, chain) for address in addresses}
 
     def forget(self, address: str) -> None:

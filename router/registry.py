@@ -141,7 +141,9 @@ class EngineRegistry:
             if reply.status != health_pb2.HealthCheckResponse.SERVING:
                 self.set_health(endpoint, _NOT_SERVING)
                 return
-            status = await endpoint.stub.GetStatus(engine_pb2.GetStatusRequest(), timeout=self._timeout_s)
+            # Every poll tells the engine its KV peers: the engines registered here.
+            request = engine_pb2.GetStatusRequest(kv_peers=list(self._endpoints))
+            status = await endpoint.stub.GetStatus(request, timeout=self._timeout_s)
         except grpc.aio.AioRpcError as exc:
             logger.debug("engine %s check failed: %s", endpoint.address, exc.code())
             self.set_health(endpoint, _UNREACHABLE)

@@ -24,11 +24,11 @@ import grpc
 
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, engine_pb2
-from router import engine_calls, patterns
+from router import engine_calls, kv_room, patterns
 from router.context import RequestContext
 from router.conversions import engine_to_completion, request_to_sampling
 from router.discovery import DnsWatcher, parse_engine_spec
-from router.endpoint import DECODE, PREFILL, ROLE_NAMES, STAGE_RESERVED, Endpoint
+from router.endpoint import DECODE, PREFILL, STAGE_RESERVED, Endpoint
 from router.engine_calls import EngineJob
 from router.engine_stream import EngineStream, StreamedDecode
 from router.errors import EngineCallError, InvalidRequestError, NoEngineError
@@ -111,7 +111,6 @@ class Router:
         self._dns = [DnsWatcher(self.registry, s, settings.dns_interval_s) for s in settings.engine_dns]
         self._background: list[asyncio.Task[None]] = []
         self._contexts: dict[str, RequestContext] = {}
-        self._adhoc: dict[str, Endpoint] = {}
         self._engine_streams: dict[str, EngineStream] = {}
         self._turn = itertools.count()
 
@@ -128,7 +127,6 @@ class Router:
         await asyncio.gather(*(s.close() for s in self._engine_streams.values()))
         self._engine_streams.clear()
         await self.registry.stop()
-        await asyncio.gather(*(e.close() for e in self._adhoc.values()))
 
     def _on_health_change(self, endpoint: Endpoint, previous: int) -> None:
         del previous
@@ -165,8 +163,9 @@ class Router:
     def close_context(self, ctx: RequestContext) -> None:
         self._contexts.pop(ctx.engine_request_id, None)
         for address in ctx.reservations:
-            endpoint = self.endpoint(address)
-            endpoint.release(STAGE_RESERVED)
+            endpoint = self.registry.get(address)
+            if endpoint is not None:  # else it left the registry meanwhile
+                endpoint.release(STAGE_RESERVED)
         ctx.reservations.clear()
 
     def context(self, request_id: str) -> RequestContext:
@@ -177,8 +176,11 @@ class Router:
         request = engine_pb2.AbortRequest(request_id=ctx.engine_request_id)
 
         async def abort(address: str) -> None:
+            endpoint = self.registry.get(address)
+            if endpoint is None:
+                return  # it left the registry meanwhile
             try:
-                await self.endpoint(address).stub.Abort(request, timeout=self.settings.abort_timeout_s)
+                await endpoint.stub.Abort(request, timeout=self.settings.abort_timeout_s)
             except grpc.aio.AioRpcError as exc:
                 logger.info("abort of %s on %s failed: %s", ctx.engine_request_id, address, exc.code())
 
@@ -202,7 +204,7 @@ class Router:
         candidates = self.registry.candidates(role, exclude=ctx.excluded | set(avoid))
         turn = next(self._turn)
         if self.is_cache_aware(ctx) and candidates:
-            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids)
+            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids, ctx.cache_salt)
             chosen = pick_cache_aware(
                 candidates, matched, turn,
                 min_match_tokens=self.settings.cache_min_match_tokens,
@@ -216,13 +218,14 @@ class Router:
         return ctx.hints.cache_aware if ctx.hints.HasField("cache_aware") else self.cache_aware
 
     def endpoint(self, server_url: str) -> Endpoint:
+        """A registered engine. Nothing else is ever dialled: the router's calls carry the
+        shared token, and an address from a request (MigrateContext.source, a custom
+        router's server_url) must not receive it."""
         address = _strip_scheme(server_url)
-        endpoint = self.registry.get(address) or self._adhoc.get(address)
+        endpoint = self.registry.get(address)
         if endpoint is None:
-            # An engine outside the registry (a custom router may address any shim).
-            endpoint = Endpoint(address=address, configured_roles=frozenset(ROLE_NAMES.values()))
-            endpoint.connect(self.settings.transport)
-            self._adhoc[address] = endpoint
+            raise InvalidRequestError(f"{address!r} is not an engine registered with this router",
+                                      param="engine")
         return endpoint
 
     def engine_stream(self, endpoint: Endpoint) -> EngineStream:
@@ -241,7 +244,8 @@ class Router:
     def call_failed_with(self, code: grpc.StatusCode, detail: str, address: str, stage: str) -> EngineCallError:
         """An engine call (or one request on an engine stream) failed with `code`: the error
         the runner handles; an engine at fault leaves rotation."""
-        error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage)
+        error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage,
+                                detail=detail)
         if error.is_engine_fault:
             self.registry.mark_failed(address)
         logger.info("%s on %s failed: %s %s", stage, address, code.name, detail)
@@ -302,6 +306,9 @@ class Router:
 
     async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Decode:
         """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
+        await kv_room.wait_for_room(
+            lambda: self.registry.candidates(DECODE, exclude=ctx.excluded), len(job.token_ids),
+            self.settings.kv_full_wait_s)
         return await patterns.pattern_for(self, ctx)(self, job, ctx)
 
     # ---- context migration ----

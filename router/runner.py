@@ -69,6 +69,7 @@ class RequestRunner:
         self._finished: dict[int, int] = {}
         self._completion_before_attempt = 0
         self._cached_tokens = 0
+        self._transferred_tokens = 0
         self._engine_completion: int | None = None
         self._id_base = uuid.uuid4().hex
         self._engines: list[str] = []
@@ -88,7 +89,7 @@ class RequestRunner:
         except asyncio.CancelledError:
             self._emit_done(cancelled=True)  # the client cancelled this request
         except RouterError as exc:
-            self._emit_error(exc.code, exc.message, exc.param)
+            self._emit_error(*exc.client_view())
         except Exception:
             logger.exception("request %s failed", rid)
             self._emit_error(grpc.StatusCode.INTERNAL, "internal router error", "")
@@ -102,7 +103,8 @@ class RequestRunner:
         has_fallen_back = False
         while True:
             ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
-                                 hints=self._prepared.hints, excluded=set(excluded))
+                                 hints=self._prepared.hints, excluded=set(excluded),
+                                 cache_salt=self._prepared.sampling.cache_salt)
             try:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
@@ -229,6 +231,7 @@ class RequestRunner:
         if message.HasField("usage"):
             self._engine_completion = message.usage.completion_tokens
             self._cached_tokens = message.usage.cached_tokens
+            self._transferred_tokens = message.usage.kv_transferred_tokens
         return None
 
     async def _relay_completions(
@@ -274,7 +277,8 @@ class RequestRunner:
         else:
             completion = self.num_streamed
         return common_pb2.Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                                total_tokens=prompt_tokens + completion, cached_tokens=self._cached_tokens)
+                                total_tokens=prompt_tokens + completion, cached_tokens=self._cached_tokens,
+                                kv_transferred_tokens=self._transferred_tokens)
 
     def _emit_done(self, cancelled: bool = False) -> None:
         rid = self._prepared.request_id

@@ -18,7 +18,7 @@ from grpc import aio
 
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.errors import InvalidRequestError, OverloadedError, RouterError
-from router.inputs import prepare
+from router.inputs import prepare_off_loop
 from router.outbox import Outbox, StreamError
 from router.router import Router
 from router.runner import RequestRunner
@@ -43,7 +43,8 @@ def _map_errors(
         try:
             return await method(self, request, context)
         except RouterError as exc:
-            await context.abort(exc.code, exc.message)
+            code, message, _ = exc.client_view()
+            await context.abort(code, message)
             raise  # abort raises; this line is not reached
         except Exception:
             logger.exception("%s failed", method.__name__)
@@ -143,7 +144,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         self._num_inflight += 1
         try:
             try:
-                prepared = prepare(new, router.tokenizer, router.model_id, router.registry.max_context_length)
+                prepared = await prepare_off_loop(new, router.tokenizer, router.model_id,
+                                                  router.registry.max_context_length)
             except RouterError as exc:
                 _put_error(outbox, new.request_id, exc)
                 return

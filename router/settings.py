@@ -73,6 +73,11 @@ class RouterSettings(BaseSettings):
         description="Built-in patterns decode over one multiplexed Engine.Generate stream per engine; "
         "false: one StartGenerate call per request.",
     )
+    kv_full_wait_s: float = Field(
+        default=5.0, ge=0,
+        description="When every engine's KV cache is full, how long a new request waits for room "
+        "before RESOURCE_EXHAUSTED (HTTP 429).",
+    )
     max_preempt_retries: int = Field(default=4, ge=0, description="Resumes of a preempted request.")
 
     adaptive_min_remote_tokens: int = Field(default=32, ge=0, description="Adaptive: below this many uncached tokens, skip P.")

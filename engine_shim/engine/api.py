@@ -31,6 +31,10 @@ class FailedPreconditionError(EngineError):
     """The call is valid on its own but not in the current state (e.g. incompatible KV)."""
 
 
+class PermissionDeniedError(EngineError):
+    """The call asks the engine to act for an address or party it does not trust."""
+
+
 class ResourceExhaustedError(EngineError):
     """Not enough KV pages / queue space to accept the request now."""
 
@@ -74,6 +78,7 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0  # alternatives per position when logprobs is set (0..20)
     ignore_eos: bool = False
+    cache_salt: str = ""  # prefix-cache scope: KV is reused only under the same salt
 
 
 @dataclass(frozen=True)
@@ -112,7 +117,8 @@ class Delta:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
-    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache or a transfer
+    cached_tokens: int = 0  # prompt tokens whose KV was a prefix-cache hit
+    transferred_tokens: int = 0  # prompt tokens whose KV another engine sent
 
     @property
     def total_tokens(self) -> int:

@@ -192,7 +192,7 @@ class AsyncEngine:
 
     @contextlib.asynccontextmanager
     async def held_send(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int, cache_salt: str = ""
     ) -> AsyncIterator[list[int]]:
         """Compute KV of prompt[:end] and hold the job's pages: yields the pool slots of
         [begin, end), which a transfer engine reads in place; on exit the job is released
@@ -201,7 +201,9 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start(lambda core: core.remote_send(request_id, ids, begin, end), request_id)
+            await self._start(
+                lambda core: core.remote_send(request_id, ids, begin, end, cache_salt), request_id
+            )
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):
@@ -214,6 +216,9 @@ class AsyncEngine:
             self._close_stream(self._send_queues, request_id, stream)
             if not is_released:
                 self._submit_nowait(lambda core: core.abort(request_id))
+
+    async def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        await self._call(lambda core: core.hold_reservation(request_id, is_held))
 
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
@@ -276,6 +281,7 @@ class AsyncEngine:
         begin: int,
         end: int,
         export_into: Callable[[int, int], torch.Tensor] | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[KVChunk]:
         """Compute KV of prompt[:end] and yield [begin, end) in chunks; the job's pages are
         released after the last chunk or when the iterator is closed early.
@@ -286,7 +292,7 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start(lambda core: core.remote_send(request_id, ids, begin, end), request_id)
+            await self._start(lambda core: core.remote_send(request_id, ids, begin, end, cache_salt), request_id)
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):

@@ -73,14 +73,14 @@ class BlockManager:
         return page
 
     # ---- sharing ----
-    def acquire_prefix(self, token_ids: Sequence[int], max_tokens: int) -> list[int]:
+    def acquire_prefix(self, token_ids: Sequence[int], max_tokens: int, salt: str = "") -> list[int]:
         """Take references on the cached pages holding the longest page-aligned prefix of
         token_ids[:max_tokens]; returns those pages (matched tokens = len * page_size)."""
         if self._cache is None:
             return []
         pages: list[int] = []
         num_full = max_tokens // self.page_size
-        for page_hash in chain_hashes(token_ids, self.page_size, num_full):
+        for page_hash in chain_hashes(token_ids, self.page_size, num_full, salt):
             page = self._cache.lookup(page_hash)
             if page is None:
                 break
@@ -103,23 +103,24 @@ class BlockManager:
 
     # ---- release ----
     def release(
-        self, block_table: Sequence[int], token_ids: Sequence[int] = (), num_computed_tokens: int = 0
+        self, block_table: Sequence[int], token_ids: Sequence[int] = (), num_computed_tokens: int = 0,
+        salt: str = "",
     ) -> None:
         """Drop one reference on every page of a sequence. Full pages whose KV is computed for
         token_ids[:num_computed_tokens] are first offered to the prefix cache."""
         if self._cache is not None and num_computed_tokens >= self.page_size:
-            self._register(block_table, token_ids, num_computed_tokens)
+            self._register(block_table, token_ids, num_computed_tokens, salt)
         for page in block_table:
             self._drop_ref(page)
 
     def _register(
-        self, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int
+        self, block_table: Sequence[int], token_ids: Sequence[int], num_computed_tokens: int, salt: str
     ) -> None:
         if self._cache is None:
             return
         num_full = min(num_computed_tokens // self.page_size, len(block_table))
         for page, page_hash in zip(
-            block_table, chain_hashes(token_ids, self.page_size, num_full), strict=False
+            block_table, chain_hashes(token_ids, self.page_size, num_full, salt), strict=False
         ):
             if not self._cache.is_cached(page):
                 self._cache.insert(page_hash, page)

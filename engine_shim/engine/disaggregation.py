@@ -9,6 +9,7 @@ validates every call before it changes any state.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
@@ -129,9 +130,9 @@ class DisaggregationOps:
         def _drop_seq(self, seq: Sequence) -> None: ...
 
     def next_deadline(self) -> float | None:
-        """Monotonic time of the earliest reservation expiry or fence end (the async loop
-        sleeps until it)."""
-        times = [r.expires_at for r in self._reservations.values()]
+        """Monotonic time of the earliest finite reservation expiry (a held one has none) or
+        fence end (the async loop sleeps until it)."""
+        times = [r.expires_at for r in self._reservations.values() if r.expires_at != math.inf]
         times += [f.release_at for f in self._fences]
         return min(times, default=None)
 
@@ -164,7 +165,7 @@ class DisaggregationOps:
         if self.is_active(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self._check_fits_pool(len(ids) + 1)
-        pages = self.block_manager.acquire_prefix(ids, e)
+        pages = self.block_manager.acquire_prefix(ids, e, sampling.cache_salt if sampling else "")
         matched = len(pages) * self.page_size
         missing = num_pages_for(e, self.page_size) - len(pages)
         if not self.block_manager.can_allocate(missing):
@@ -222,6 +223,16 @@ class DisaggregationOps:
             self._fences.remove(fence)
             self.block_manager.release(fence.pages)
 
+    def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        """A KV push into the reservation has begun (held: it does not expire while the
+        sender computes and streams, however long the sender's queue) or has ended (its
+        TTL starts again, now, for the start_generate that should follow)."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
+        ttl_s = self.config.reservation_ttl_s
+        reservation.expires_at = math.inf if is_held else time.monotonic() + ttl_s
+
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         reservation = self._reservations.get(request_id)
         if reservation is None:
@@ -248,7 +259,9 @@ class DisaggregationOps:
             raise InvalidRequestError(f"KV chunk dtype {data.dtype}, expected {self.config.dtype}")
 
     # ---- remote_send ----
-    def remote_send(self, request_id: str, token_ids: SequenceT[int], begin: int, end: int) -> None:
+    def remote_send(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = ""
+    ) -> None:
         """Start computing KV of prompt[:end]; a SendReady event says [begin, end) can be
         exported with export_kv; release it with abort() once exported."""
         request_id = validation.check_request_id(request_id)
@@ -259,6 +272,7 @@ class DisaggregationOps:
         self._check_fits_pool(e)
         seq = self._new_seq(request_id, ids[:e], e, SeqKind.SEND)
         seq.is_disaggregated = True
+        seq.cache_salt = validation.check_cache_salt(cache_salt)
         self._sends[request_id] = SendJob(seq, b, e)
         self.scheduler.add(seq)
 

@@ -175,13 +175,15 @@ class LLMEngine(DisaggregationOps):
         if reservation is not None:
             self._check_reservation_covers(reservation, ids, b)
         seq = self._new_seq(request_id, ids, len(ids), SeqKind.GENERATE)
+        seq.cache_salt = sampling.cache_salt
         if reservation is not None:
             del self._reservations[request_id]
             seq.block_table = reservation.block_table
             # KV below max(begin, matched) is present; recomputing cached pages would write
             # into pages other sequences share.
             seq.num_computed_tokens = max(b, reservation.prefix_matched_length)
-            seq.num_cached_tokens = seq.num_computed_tokens
+            seq.num_cached_tokens = reservation.prefix_matched_length
+            seq.num_transferred_tokens = seq.num_computed_tokens - seq.num_cached_tokens
             seq.is_disaggregated = True
         request = GenerateRequest(
             request_id=request_id,
@@ -370,6 +372,7 @@ class LLMEngine(DisaggregationOps):
         for index in range(1, request.sampling.n):
             child = self._new_seq(request.request_id, list(seq.token_ids), seq.num_prompt_tokens, SeqKind.GENERATE)
             child.choice_index, child.num_cached_tokens = index, seq.num_cached_tokens
+            child.num_transferred_tokens, child.cache_salt = seq.num_transferred_tokens, seq.cache_salt
             child.is_disaggregated = seq.is_disaggregated
             has_partial = seq.num_computed_tokens % self.page_size != 0
             if self.block_manager.can_allocate(int(has_partial)):

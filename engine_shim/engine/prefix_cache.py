@@ -12,10 +12,13 @@ from collections.abc import Iterator, Sequence
 from .api import PrefixCacheStats
 
 
-def chain_hashes(token_ids: Sequence[int], page_size: int, num_pages: int) -> Iterator[bytes]:
+def chain_hashes(
+    token_ids: Sequence[int], page_size: int, num_pages: int, salt: str = ""
+) -> Iterator[bytes]:
     """Hash of page i covers tokens[0 : (i+1)*page_size], so equal hashes mean equal prefixes
-    (and equal positions), which is what makes the KV reusable."""
-    prev = b""
+    (and equal positions), which is what makes the KV reusable. The chain starts from the
+    request's cache salt: prompts under different salts never share a page."""
+    prev = hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
     for i in range(num_pages):
         page_tokens = array("q", token_ids[i * page_size : (i + 1) * page_size])
         prev = hashlib.blake2b(prev + page_tokens.tobytes(), digest_size=16).digest()

@@ -55,6 +55,7 @@ class GenerateRequest:
             prompt_tokens=self.num_prompt_tokens,
             completion_tokens=sum(c.seq.num_output_tokens for c in self.choices),
             cached_tokens=self.choices[0].seq.num_cached_tokens,
+            transferred_tokens=self.choices[0].seq.num_transferred_tokens,
         )
 
 

@@ -67,7 +67,7 @@ class Scheduler:
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's pages, offering its computed full pages to the prefix cache."""
-        self.block_manager.release(seq.block_table, seq.token_ids, seq.num_computed_tokens)
+        self.block_manager.release(seq.block_table, seq.token_ids, seq.num_computed_tokens, seq.cache_salt)
         seq.block_table = []
 
     def on_computed(self, scheduled: ScheduledSeq) -> None:
@@ -132,7 +132,7 @@ class Scheduler:
     def _match_prefix(self, seq: Sequence) -> bool:
         if seq.block_table or seq.num_computed_tokens:
             return False  # it came with KV (a prep_recv reservation)
-        pages = self.block_manager.acquire_prefix(seq.token_ids, seq.max_prefix_match_tokens)
+        pages = self.block_manager.acquire_prefix(seq.token_ids, seq.max_prefix_match_tokens, seq.cache_salt)
         seq.block_table = pages
         seq.num_computed_tokens = len(pages) * self.block_manager.page_size
         return True
@@ -141,7 +141,7 @@ class Scheduler:
         if seq.is_admitted_once:
             return
         seq.is_admitted_once = True
-        if not seq.num_cached_tokens:
+        if not seq.num_cached_tokens and not seq.num_transferred_tokens:
             seq.num_cached_tokens = seq.num_computed_tokens
             self.block_manager.record_prefix_query(seq.max_prefix_match_tokens, seq.num_computed_tokens)
 

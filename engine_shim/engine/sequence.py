@@ -32,7 +32,9 @@ class Sequence:
     choice_index: int = 0
     block_table: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0  # positions [0, num_computed_tokens) hold valid KV
-    num_cached_tokens: int = 0  # prompt tokens whose KV was reused (prefix hit or import)
+    num_cached_tokens: int = 0  # prompt tokens whose KV was a prefix-cache hit here
+    num_transferred_tokens: int = 0  # prompt tokens whose KV another engine sent
+    cache_salt: str = ""  # the prefix-cache scope of its pages (SamplingParams.cache_salt)
     is_admitted_once: bool = False
     status: SeqStatus = SeqStatus.WAITING
 

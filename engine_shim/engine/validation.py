@@ -63,12 +63,22 @@ def check_start_generate_begin(begin: int, length: int) -> int:
     return b
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str) -> str:
+    if not isinstance(salt, str) or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt must be a string of at most {MAX_CACHE_SALT_CHARS} characters")
+    return salt
+
+
 def check_sampling(
     params: SamplingParams, vocab_size: int, max_context_length: int, num_prompt_tokens: int
 ) -> int:
     """Validate sampling values; returns the effective max_tokens."""
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("sampling must be a SamplingParams")
+    check_cache_salt(params.cache_salt)
     _check_finite(params.temperature, "temperature")
     if params.temperature < 0:
         raise InvalidRequestError("temperature must be >= 0")

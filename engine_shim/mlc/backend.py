@@ -233,6 +233,10 @@ class MLCBackend:
         response.close()  # drops the connection: MLC aborts the request
         return True
 
+    def tell_peers(self, addresses: Sequence[str]) -> None:
+        """MLC moves KV itself (NVSHMEM, within its own deployment): nothing to keep."""
+        del addresses
+
     async def status(self) -> EngineStatus:
         info = self.info
         return EngineStatus(

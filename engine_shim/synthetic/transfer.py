@@ -7,6 +7,7 @@ that the transfer delivered exactly its window."""
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
@@ -126,8 +127,17 @@ class TransferOps:
         if not all(reservation.imported[:begin]):
             raise FailedPreconditionError(f"KV of positions [0, {begin}) has not been fully imported")
 
+    def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        """As the real engine: no expiry while a push into it is open (disaggregation.py)."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise NotFoundError(f"no prep_recv reservation for request {request_id!r}")
+        reservation.expires_at = (
+            math.inf if is_held else time.monotonic() + self.config.reservation_ttl_s)
+
     def next_deadline(self) -> float | None:
-        return min((r.expires_at for r in self._reservations.values()), default=None)
+        deadline = min((r.expires_at for r in self._reservations.values()), default=None)
+        return None if deadline == math.inf else deadline
 
     def reap_expired_reservations(self, now: float | None = None) -> list[str]:
         now = time.monotonic() if now is None else now
@@ -138,9 +148,13 @@ class TransferOps:
         return expired
 
     # ---- sending ----
-    def remote_send(self, request_id: str, token_ids: SequenceT[int], begin: int, end: int) -> None:
+    def remote_send(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = ""
+    ) -> None:
         """Queue the prompt window's "computation" (prefill time on the schedule); a
-        SendReady event says [begin, end) can be exported."""
+        SendReady event says [begin, end) can be exported. No prefix cache here, so the
+        cache salt scopes nothing."""
+        del cache_salt
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b, e = validation.check_remote_send_window(begin, end, len(ids))

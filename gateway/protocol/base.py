@@ -7,16 +7,23 @@ ignored, so a silently dropped option is at least visible in the gateway's log.
 from __future__ import annotations
 
 import logging
+import struct
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
 logger = logging.getLogger(__name__)
 
 # The wire (proto) types behind the numbers: larger values must be a 400, not an overflow.
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
-TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+# Strict where OpenAI is: `true` is not 1 and `1.0` is not an int.
+StrictCount = Annotated[int, Strict()]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX), Strict()]
+
+
+def _as_float32(value: float) -> float:
+    return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
 def _first_invalid_string(value: Any) -> str | None:
@@ -86,7 +93,7 @@ class SamplingFields(OpenAIBaseModel):
     model: str = ""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    n: int = Field(default=1, ge=1, le=16)
+    n: StrictCount = Field(default=1, ge=1, le=16)
     stop: str | list[str] | None = None
     seed: int | None = Field(default=None, ge=-INT64_MAX - 1, le=INT64_MAX)
     stream: bool = False
@@ -100,9 +107,14 @@ class SamplingFields(OpenAIBaseModel):
     ignore_eos: bool = False
     stop_token_ids: list[TokenId] | None = None
     microserving: PatternHintsParam | None = None
+    # Narrows the prefix-cache scope (vLLM's name); the API key always scopes it too.
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)
 
     @model_validator(mode="after")
     def _check_common(self) -> SamplingFields:
+        if self.top_p is not None and _as_float32(self.top_p) <= 0.0:
+            # The wire carries float32: a top_p below its range would arrive as 0.
+            raise ValueError("top_p: must be > 0 as a 32-bit float (at least 1.5e-45)")
         if isinstance(self.stop, list) and len(self.stop) > 16:
             raise ValueError("stop: at most 16 stop strings")
         if self.stream_options is not None and not self.stream:

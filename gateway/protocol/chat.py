@@ -7,7 +7,14 @@ from typing import Any, Literal
 
 from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
-from gateway.protocol.base import INT32_MAX, OpenAIBaseModel, SamplingFields, StrictModel, Usage
+from gateway.protocol.base import (
+    INT32_MAX,
+    OpenAIBaseModel,
+    SamplingFields,
+    StrictCount,
+    StrictModel,
+    Usage,
+)
 
 
 class ContentPart(OpenAIBaseModel):
@@ -37,19 +44,43 @@ class ChatMessageParam(OpenAIBaseModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessageParam] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
-    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_tokens: StrictCount | None = Field(default=None, ge=1, le=INT32_MAX)
+    max_completion_tokens: StrictCount | None = Field(default=None, ge=1, le=INT32_MAX)
+    # Accepted only in the forms that ask for nothing this server lacks (see _unsupported).
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: Any = None
+    functions: list[Any] | None = None
+    function_call: Any = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
+        unsupported = self._unsupported()
+        if unsupported:
+            raise ValueError(f"{unsupported}: not supported by this server")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        for index, message in enumerate(self.messages):
+            if message.role == "user" and message.content is None:
+                raise ValueError(f"messages.{index}.content: a user message needs content")
         for message in self.messages:
             message.text  # noqa: B018 - raises on unsupported content parts
         return self
+
+    def _unsupported(self) -> str | None:
+        """The first field asking for tool calls or structured output (refused, not ignored)."""
+        if self.tools or self.functions:
+            return "tools" if self.tools else "functions"
+        if self.tool_choice not in (None, "none"):
+            return "tool_choice"
+        if self.function_call not in (None, "none"):
+            return "function_call"
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            return "response_format"
+        return None
 
     @property
     def max_new_tokens(self) -> int | None:

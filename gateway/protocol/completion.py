@@ -7,7 +7,14 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from gateway.protocol.base import INT32_MAX, SamplingFields, StrictModel, TokenId, Usage
+from gateway.protocol.base import (
+    INT32_MAX,
+    SamplingFields,
+    StrictCount,
+    StrictModel,
+    TokenId,
+    Usage,
+)
 
 # A prompt as OpenAI accepts it: text, texts, token ids, or lists of token ids.
 PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
@@ -15,7 +22,7 @@ PromptInput = str | list[str] | list[TokenId] | list[list[TokenId]]
 
 class CompletionRequest(SamplingFields):
     prompt: PromptInput
-    max_tokens: int | None = Field(default=16, ge=1, le=INT32_MAX)
+    max_tokens: StrictCount | None = Field(default=16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=5)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=1, le=1)

@@ -23,6 +23,7 @@ from gateway.router_client import RouterClient
 from gateway.serving.disconnect import ClientDisconnected, RelayResponse, run_until_disconnect
 from gateway.serving.events import Event, UsageTotals, relay
 from gateway.sse import DONE_EVENT, encode_event
+from gateway.tenancy import bearer_key, cache_salt
 from microserving.v1 import router_pb2
 
 RequestT = TypeVar("RequestT", bound=SamplingFields)
@@ -40,6 +41,7 @@ class ServingContext:
     admission: AdmissionLimit
     served_model_name: str
     on_error: Callable[[GatewayError], None]
+    is_keyed: bool = False  # API keys are checked: each key is a prefix-cache tenant
 
 
 def usage_model(totals: UsageTotals) -> Usage:
@@ -88,17 +90,26 @@ class GenerationServing(ABC, Generic[RequestT]):
         """The SSE events of a streaming request, usage chunk included when asked for: one
         bytes object per batch of router events (one write to the client)."""
 
+    def _cache_salt(self, request: RequestT, http_request: Request) -> str:
+        api_key = bearer_key(http_request.headers.get("authorization")) if self.context.is_keyed else None
+        return cache_salt(api_key, request.cache_salt)
+
     def model_name(self, request: RequestT) -> str:
         return request.model or self.context.served_model_name
 
     async def handle(self, request: RequestT, http_request: Request) -> Response:
         response_id = f"{self.id_prefix}-{uuid.uuid4().hex}"
         router_requests = self.convert(request, response_id)
+        salt = self._cache_salt(request, http_request)
+        for router_request in router_requests:
+            router_request.sampling.cache_salt = salt
         started_s = time.perf_counter()
-        self.context.admission.acquire()
+        num_choices = sum(r.sampling.n or 1 for r in router_requests)
+        units = self.context.admission.acquire(num_choices)
         self.context.metrics.inflight.inc()
         stream = self.context.router.open_stream()
-        cleanup = Once(stream.close, self.context.admission.release, self.context.metrics.inflight.dec)
+        cleanup = Once(stream.close, lambda: self.context.admission.release(units),
+                       self.context.metrics.inflight.dec)
         events = relay(stream, router_requests, request.n, self.context.metrics, started_s)
         try:
             if request.stream:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmicroserving/v1/common.proto\x12\x0fmicroserving.v1\"\xce\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x42\n\nlogit_bias\x18\x0b \x03(\x0b\x32..microserving.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_n\"f\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x88\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.microserving.v1.TopLogprob\"\xa4\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.microserving.v1.TokenLogprob\x12\x34\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1d.microserving.v1.FinishReason*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_PREEMPT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmicroserving/v1/common.proto\x12\x0fmicroserving.v1\"\xe2\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x17\n\nmax_tokens\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x11\n\x04seed\x18\x07 \x01(\x03H\x03\x88\x01\x01\x12\x0e\n\x01n\x18\x08 \x01(\x05H\x04\x88\x01\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x12\x18\n\x10presence_penalty\x18\n \x01(\x02\x12\x42\n\nlogit_bias\x18\x0b \x03(\x0b\x32..microserving.v1.SamplingParams.LogitBiasEntry\x12\x10\n\x08logprobs\x18\x0c \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\r \x01(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x12\n\ncache_salt\x18\x0f \x01(\t\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x04\n\x02_n\"\x85\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x14\n\x0ctotal_tokens\x18\x03 \x01(\x05\x12\x15\n\rcached_tokens\x18\x04 \x01(\x05\x12\x1d\n\x15kv_transferred_tokens\x18\x05 \x01(\x05\"S\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\"\x88\x01\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x13\n\x0btoken_bytes\x18\x03 \x01(\x0c\x12\x0f\n\x07logprob\x18\x04 \x01(\x02\x12\x31\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x1b.microserving.v1.TopLogprob\"\xa4\x01\n\x0b\x43hoiceDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12/\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1d.microserving.v1.TokenLogprob\x12\x34\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1d.microserving.v1.FinishReason*\xac\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x19\n\x15\x46INISH_REASON_PREEMPT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x05*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,20 +33,20 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1010
-  _globals['_FINISHREASON']._serialized_end=1182
-  _globals['_ENGINEROLE']._serialized_start=1184
-  _globals['_ENGINEROLE']._serialized_end=1296
+  _globals['_FINISHREASON']._serialized_start=1062
+  _globals['_FINISHREASON']._serialized_end=1234
+  _globals['_ENGINEROLE']._serialized_start=1236
+  _globals['_ENGINEROLE']._serialized_end=1348
   _globals['_SAMPLINGPARAMS']._serialized_start=50
-  _globals['_SAMPLINGPARAMS']._serialized_end=512
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=408
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=456
-  _globals['_USAGE']._serialized_start=514
-  _globals['_USAGE']._serialized_end=616
-  _globals['_TOPLOGPROB']._serialized_start=618
-  _globals['_TOPLOGPROB']._serialized_end=701
-  _globals['_TOKENLOGPROB']._serialized_start=704
-  _globals['_TOKENLOGPROB']._serialized_end=840
-  _globals['_CHOICEDELTA']._serialized_start=843
-  _globals['_CHOICEDELTA']._serialized_end=1007
+  _globals['_SAMPLINGPARAMS']._serialized_end=532
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=428
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=476
+  _globals['_USAGE']._serialized_start=535
+  _globals['_USAGE']._serialized_end=668
+  _globals['_TOPLOGPROB']._serialized_start=670
+  _globals['_TOPLOGPROB']._serialized_end=753
+  _globals['_TOKENLOGPROB']._serialized_start=756
+  _globals['_TOKENLOGPROB']._serialized_end=892
+  _globals['_CHOICEDELTA']._serialized_start=895
+  _globals['_CHOICEDELTA']._serialized_end=1059
 # @@protoc_insertion_point(module_scope)

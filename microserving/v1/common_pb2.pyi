@@ -131,6 +131,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
+    CACHE_SALT_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 means greedy. Default 1."""
     top_p: _builtins.float
@@ -155,6 +156,11 @@ class SamplingParams(_message.Message):
     """With logprobs, the number of most likely alternatives per position (0..20)."""
     ignore_eos: _builtins.bool
     """Keep generating past EOS until max_tokens (benchmarks)."""
+    cache_salt: _builtins.str
+    """Scope of prefix-cache sharing: a request reuses only KV cached under the same salt, so
+    tenants (the gateway derives one salt per API key) cannot observe each other's prompts.
+    Empty: the shared scope. At most 256 characters.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that end a choice when produced; the stop string itself is not returned."""
@@ -184,10 +190,11 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
         ignore_eos: _builtins.bool = ...,
+        cache_salt: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "n", b"n", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_n", b"_n", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "cache_salt", b"cache_salt", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "n", b"n", "presence_penalty", b"presence_penalty", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
@@ -222,6 +229,7 @@ class Usage(_message.Message):
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     TOTAL_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFERRED_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt."""
     completion_tokens: _builtins.int
@@ -229,9 +237,11 @@ class Usage(_message.Message):
     total_tokens: _builtins.int
     """prompt_tokens + completion_tokens."""
     cached_tokens: _builtins.int
-    """Prompt tokens whose KV came from a prefix cache or a KV transfer instead of being
-    computed by the engine that generated.
+    """Prompt tokens whose KV the generating engine found in its prefix cache (under the
+    request's cache_salt).
     """
+    kv_transferred_tokens: _builtins.int
+    """Prompt tokens whose KV another engine computed and sent (PD disaggregation)."""
     def __init__(
         self,
         *,
@@ -239,10 +249,11 @@ class Usage(_message.Message):
         completion_tokens: _builtins.int = ...,
         total_tokens: _builtins.int = ...,
         cached_tokens: _builtins.int = ...,
+        kv_transferred_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_tokens", b"cached_tokens", "completion_tokens", b"completion_tokens", "kv_transferred_tokens", b"kv_transferred_tokens", "prompt_tokens", b"prompt_tokens", "total_tokens", b"total_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -462,12 +462,22 @@ class GetStatusRequest(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    KV_PEERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def kv_peers(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """host:port of every engine the calling router has registered. A shim pushes KV
+        (RemoteSend) only to addresses it was configured with or told here recently, so a
+        kv_addr_info naming any other address is refused and nothing is sent there.
+        """
+
     def __init__(
         self,
+        *,
+        kv_peers: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_peers", b"kv_peers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

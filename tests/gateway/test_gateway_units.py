@@ -168,6 +168,22 @@ def test_admission_limit_rejects_over_the_limit_and_frees_slots() -> None:
     assert limit.num_inflight == 1
 
 
+def test_admission_counts_the_completions_a_request_carries() -> None:
+    limit = AdmissionLimit(8, max_choices=100)
+    with limit.slot(6):  # e.g. 3 prompts x n=2
+        assert limit.num_inflight == 6
+        with pytest.raises(GatewayError) as caught:
+            limit.acquire(3)
+        assert caught.value.status == 429
+        limit.release(limit.acquire(2))
+    assert limit.num_inflight == 0
+    with limit.slot(50):  # more than the limit: capped, so it runs alone
+        assert limit.num_inflight == 8
+    with pytest.raises(GatewayError) as too_many:
+        limit.acquire(101)
+    assert too_many.value.status == 400 and "101 completions" in too_many.value.message
+
+
 def test_settings_read_keys_from_env_and_reject_unknown_variables(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MICROSERVING_GATEWAY_API_KEYS", "key-one, key-two")

@@ -138,6 +138,12 @@ async def generate_alone(address: str, request_id: str, tokens: list[int]) -> li
         return await generate(stub, request_id, tokens)
 
 
+async def introduce(sender: engine_pb2_grpc.EngineStub, *peers: str) -> None:
+    """Tell a shim its KV peers, as a router's status poll does (a shim pushes KV to no one
+    else; engine_shim/kv_peers.py)."""
+    await sender.GetStatus(engine_pb2.GetStatusRequest(kv_peers=list(peers)))
+
+
 async def pd_flow(
     prefill_address: str, decode_address: str, request_id: str, tokens: list[int], end: int = -1
 ) -> tuple[list[int], engine_pb2.PrepRecvResponse, engine_pb2.RemoteSendResponse | None]:
@@ -154,6 +160,7 @@ async def pd_flow(
         )
         sent = None
         if prep.prefix_matched_length < prep.end:
+            await introduce(p_stub, decode_address)
             sent = await p_stub.RemoteSend(
                 engine_pb2.RemoteSendRequest(
                     request_id=request_id,

@@ -17,6 +17,7 @@ from shim_helpers import (
     engine_stub,
     free_pages,
     greedy,
+    introduce,
     subprocess_env,
     wait_for_free_pages,
 )
@@ -37,6 +38,7 @@ async def _start_pd_stream(
     prep = await d_stub.PrepRecv(
         engine_pb2.PrepRecvRequest(request_id=request_id, token_ids=tokens, end=-1, sampling=LONG)
     )
+    await introduce(p_stub, decode_address)
     await p_stub.RemoteSend(
         engine_pb2.RemoteSendRequest(
             request_id=request_id,

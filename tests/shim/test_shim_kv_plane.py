@@ -8,7 +8,7 @@ import json
 
 import grpc
 import pytest
-from shim_helpers import PROMPT, engine_stub, free_pages, greedy, wait_for_free_pages
+from shim_helpers import PROMPT, engine_stub, free_pages, greedy, introduce, wait_for_free_pages
 
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc
@@ -90,6 +90,7 @@ async def test_remote_send_to_a_receiver_of_another_layout_is_failed_preconditio
         tokens = [t + 13 for t in PROMPT]
         prep, info = await _reserve(d_stub, "mismatch-send", tokens)
         info["layout"]["dtype"] = "float16"
+        await introduce(p_stub, decode_shim.address)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await p_stub.RemoteSend(

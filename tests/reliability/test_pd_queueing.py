@@ -1,0 +1,123 @@
+"""PD under queueing: a PrepRecv reservation does not expire while its RemoteSend waits in the
+prefill engine's queue (the push is opened before the KV is computed, and the receiver holds
+the reservation while the push is open), and a PD hand-off that fails anyway (the prefill
+engine stalled longer than the TTL before it even began the push) is retried or falls back
+to the decode engine: the client gets its tokens or a 503-class error, never NOT_FOUND
+(HTTP 404 model_not_found) and never an engine's address."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from stack_procs import (
+    Service,
+    Tracked,
+    engine_status,
+    greedy,
+    start_router,
+    start_shims,
+    stop_all,
+    track,
+    wait_until,
+)
+
+from microserving.transport import TransportSettings, create_channel
+from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+
+pytestmark = pytest.mark.e2e
+
+TTL_S = 0.5
+BLOCKER_TOKENS = 400  # decode steps the prefill engine spends before the queued send runs
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
+    logs = tmp_path_factory.mktemp("pd-queueing")
+    # One sequence at a time on P: a send job queues behind whatever P is running.
+    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", prefix="p")
+    (decode,) = start_shims(logs, ["decode"], "--reservation-ttl-s", str(TTL_S), prefix="d")
+    router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
+                          "--pattern", "disagg", "--health-interval-s", "0.2")
+    services = {"prefill": prefill, "decode": decode, "router": router}
+    yield services
+    stop_all(services.values())
+
+
+async def _occupy(address: str, request_id: str, num_tokens: int) -> int:
+    """A long generation straight on the engine; -> tokens it produced."""
+    request = engine_pb2.StartGenerateRequest(request_id=request_id, token_ids=[5, 6, 7],
+                                              sampling=greedy(num_tokens))
+    produced = 0
+    async with create_channel(address, TransportSettings()) as channel:
+        async for reply in engine_pb2_grpc.EngineStub(channel).StartGenerate(request, timeout=120):
+            produced += sum(len(c.token_ids) for c in reply.choices)
+    return produced
+
+
+async def _send(router: Service, request_id: str, prompt: list[int]) -> Tracked:
+    async with create_channel(router.address, TransportSettings()) as channel:
+        stub = router_pb2_grpc.RouterStub(channel)
+        new = router_pb2.NewRequest(request_id=request_id, token_ids=router_pb2.TokenIds(ids=prompt),
+                                    sampling=greedy(8))
+        return await track(stub, new, Tracked(request_id, []))
+
+
+async def _wait_running(address: str) -> None:
+    async def is_running() -> bool:
+        return (await engine_status(address)).num_running_requests > 0
+
+    assert await wait_until(is_running, timeout_s=30) is not None
+
+
+async def test_reservation_outlives_a_prefill_queue_longer_than_its_ttl(stack: dict[str, Service]) -> None:
+    prefill, decode = stack["prefill"], stack["decode"]
+    blocker = asyncio.ensure_future(_occupy(prefill.address, "blocker", BLOCKER_TOKENS))
+    await _wait_running(prefill.address)
+    record = await _send(stack["router"], "queued", list(range(20, 120)))
+    assert await blocker == BLOCKER_TOKENS
+    assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
+    assert record.done is not None and len(record.token_ids) == 8
+    # The KV came from P: the router did not have to fall back to D alone.
+    assert list(record.done.engines) == [prefill.address, decode.address] or \
+        set(record.done.engines) == {prefill.address, decode.address}, record.done.engines
+
+
+async def test_prefill_stalled_past_the_ttl_ends_in_tokens_or_503_never_404(stack: dict[str, Service]) -> None:
+    """P paused (SIGSTOP) with RemoteSends on it for longer than D's TTL: when it wakes, the
+    pushes find their reservations gone; the router tries again or serves from D alone."""
+    prefill = stack["prefill"]
+    prefill.pause()
+    try:
+        sends = [asyncio.ensure_future(_send(stack["router"], f"stalled-{i}", list(range(30 + i, 130 + i))))
+                 for i in range(4)]
+        await asyncio.sleep(TTL_S * 6)
+    finally:
+        prefill.resume()
+    records = await asyncio.gather(*sends)
+    for record in records:
+        assert not record.rpc_error, record.rpc_error
+        if record.error is not None:
+            code = grpc.StatusCode.UNAVAILABLE.value[0], grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+            assert record.error.code in code, record.error
+            assert prefill.address not in record.error.message
+            assert stack["decode"].address not in record.error.message
+        else:
+            assert record.done is not None and len(record.token_ids) == 8
+
+
+async def test_expired_reservations_leave_the_engine_status_without_another_command(
+    stack: dict[str, Service]
+) -> None:
+    decode = stack["decode"]
+    async with create_channel(decode.address, TransportSettings()) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        await stub.PrepRecv(engine_pb2.PrepRecvRequest(request_id="never-followed", token_ids=list(range(40)),
+                                                       end=-1, sampling=greedy(4)), timeout=30)
+
+    async def is_reaped() -> bool:
+        return (await engine_status(decode.address)).num_reserved_requests == 0
+
+    assert await wait_until(is_reaped, timeout_s=TTL_S + 10) is not None
