@@ -25,7 +25,7 @@ class RequestMetrics:
         total_s = finished_s - self.arrived_s
         # Prompt tokens whose KV arrived (prefix cache or remote_send) were not prefilled here;
         # the first output token comes out of prefill, the others out of decode steps.
-        prefill_tokens = usage.prompt_tokens - usage.cached_tokens
+        prefill_tokens = usage.prompt_tokens - usage.cached_tokens - usage.transferred_tokens
         decode_tokens = max(usage.completion_tokens - 1, 0)
         extra: dict[str, Any] = {
             "prompt_tokens": usage.prompt_tokens,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import socket
 import threading
 import time
@@ -91,6 +92,14 @@ def _post_raw(address: str, body: bytes) -> tuple[bytes, float]:
     sender.start()
     answer = sock.recv(65536)
     answered_s = time.perf_counter() - started
+    # The body may come in a later segment than the headers: read on until content-length.
+    head_end = answer.find(b"\r\n\r\n")
+    length = re.search(rb"content-length: *(\d+)", answer[:head_end], re.IGNORECASE)
+    while length is not None and len(answer) < head_end + 4 + int(length.group(1)):
+        more = sock.recv(65536)
+        if not more:
+            break
+        answer += more
     sender.join(timeout=60)
     sock.close()
     return answer, answered_s

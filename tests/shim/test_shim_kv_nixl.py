@@ -26,6 +26,7 @@ from shim_helpers import (
     generate,
     generate_alone,
     greedy,
+    introduce,
     logged_path,
     pd_flow,
     start_shim,
@@ -189,6 +190,7 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
     d_channel, d_stub = engine_stub(lone_receiver.address)
     p_channel, p_stub = engine_stub(prefill_shim.address)
     async with d_channel, p_channel:
+        await introduce(p_stub, lone_receiver.address)  # a shim writes KV to known peers only
         baseline = await free_pages(p_stub)
         codes = []
         for request_id, stop in (("nixl-stalled", signal.SIGSTOP), ("nixl-dead", signal.SIGKILL)):
