@@ -4,7 +4,9 @@ into engine_shim.engine goes through this file."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -109,7 +111,7 @@ class EmbeddedBackend:
         )
         await engine.start()
         self._engine = engine
-        self._nixl = _start_nixl(self._settings.kv_transport, engine.kv_pool)
+        self._nixl = _start_nixl(self._settings.kv_transport, engine.kv_pool, self._settings.host)
         self._info = BackendInfo(
             name=self._name,
             model_id=engine.model_id,
@@ -296,11 +298,15 @@ class EmbeddedBackend:
         self.kv_peers.tell(addresses)
 
 
-def _start_nixl(transport: str, pool: torch.Tensor | None) -> NixlPlane | None:
+def _start_nixl(transport: str, pool: torch.Tensor | None, host: str) -> NixlPlane | None:
     """The shim's NIXL agent with the pool registered, where the transport setting wants one
     and NIXL loads; `nixl` insists (a clear start-up error), `auto` falls back with a log."""
     if transport not in ("auto", "nixl") or pool is None:
         return None
+    if _is_loopback(host):
+        # UCX listens on every network device it finds; a shim bound to loopback keeps its
+        # KV data plane there too (shared memory and CUDA IPC are not network devices).
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
     module, reason = load_nixl()
     if module is not None:
         try:
@@ -329,3 +335,10 @@ def _check_window_fits(request_id: str, begin: int, end: int, addr: KVAddrInfo) 
         raise InvalidRequestError(
             f"begin={begin} is past the receiver's prefix_matched_length {addr.begin}"
         )
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
