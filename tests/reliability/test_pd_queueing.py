@@ -37,7 +37,13 @@ BLOCKER_TOKENS = 400  # decode steps the prefill engine spends before the queued
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("pd-queueing")
     # One sequence at a time on P: a send job queues behind whatever P is running.
-    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", prefix="p")
+    # The KV push over KVTransfer holds the decode side's reservation from the moment the
+    # push is opened, which is before the prefill engine queues the job. A NIXL write
+    # contacts the receiver only once the KV is computed, so on that path the hold starts
+    # too late for a queue longer than the TTL: a known gap of issue 17 (docs/reliability.md),
+    # not what this test is about, so the prefill shim sends over KVTransfer here.
+    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", "--kv-transport", "grpc",
+                             prefix="p")
     (decode,) = start_shims(logs, ["decode"], "--reservation-ttl-s", str(TTL_S), prefix="d")
     router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
                           "--pattern", "disagg", "--health-interval-s", "0.2")
