@@ -130,7 +130,8 @@ def engine_to_completion(
             prompt_tokens=message.usage.prompt_tokens,
             completion_tokens=message.usage.completion_tokens,
             total_tokens=message.usage.total_tokens,
-            extra={"cached_tokens": message.usage.cached_tokens},
+            extra={"cached_tokens": message.usage.cached_tokens,
+                   "kv_transferred_tokens": message.usage.kv_transferred_tokens},
         )
     return CompletionResponse.model_construct(
         id=response_id, choices=choices, created=int(time.time()), model=model,

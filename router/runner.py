@@ -254,7 +254,9 @@ class RequestRunner:
                     return _Outcome.DONE  # a stop string across the resume point ended it
                 if response.usage is not None:
                     self._engine_completion = response.usage.completion_tokens
-                    self._cached_tokens = int((response.usage.extra or {}).get("cached_tokens", 0))
+                    extra = response.usage.extra or {}
+                    self._cached_tokens = int(extra.get("cached_tokens", 0))
+                    self._transferred_tokens = int(extra.get("kv_transferred_tokens", 0))
         return _Outcome.DONE
 
     def _relay_choice(
