@@ -66,9 +66,6 @@ class Batcher(Generic[BatchT, EntryT]):
         self.num_messages = 0  # messages taken so far
         self.num_merged = 0  # entries merged into one already queued
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def _wake(self) -> None:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
