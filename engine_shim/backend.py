@@ -88,6 +88,11 @@ class Backend(Protocol):
     def tell_peers(self, addresses: Sequence[str]) -> None:
         """The engines a router has registered (GetStatusRequest.kv_peers): where KV may go."""
 
+    async def wait_lost(self) -> str:
+        """Returns (why) once the engine is gone for good and the shim cannot serve again
+        (an engine core process that died); never returns for a backend that cannot tell."""
+        ...
+
 
 async def drain_generate(
     outputs: AsyncIterator[GenerateOutput], on_output: Callable[[GenerateOutput], None]

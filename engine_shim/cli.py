@@ -37,6 +37,9 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--prefill-chunk-size", int, "prompt tokens one engine step computes (embedded)"),
     ("--enable-prefix-cache", str, "true | false: reuse KV of shared prompt prefixes (embedded)"),
     ("--cuda-graphs", str, "true | false: replay CUDA graphs for decode steps (embedded, CUDA)"),
+    ("--engine-process", str, "auto | on | off: the engine core in a process of its own (auto: "
+     "on CUDA and for the synthetic backend), so its host work and the shim's serving each "
+     "get a core"),
     ("--reservation-ttl-s", float, "seconds a PrepRecv reservation waits for its StartGenerate"),
     ("--mlc-url", str, "base URL of a running MLC-LLM server (mlc backend)"),
     ("--mlc-model-lib", str, "model lib: start `mlc_llm serve` when no --mlc-url is given"),
@@ -89,7 +92,7 @@ def parse_settings(argv: list[str]) -> ShimSettings:
     return ShimSettings(**{name: value for name, value in args.items() if value is not None})
 
 
-async def run(settings: ShimSettings) -> None:
+async def run(settings: ShimSettings) -> int:
     from engine_shim.server import ShimServer
 
     server = ShimServer(settings)
@@ -100,9 +103,20 @@ async def run(settings: ShimSettings) -> None:
     await server.start()
     print(f"microserving shim listening on {server.address}", flush=True)
     logger.info("serving %s (%s backend) on %s", settings.model, settings.backend, server.address)
-    await stop.wait()
+    stopped = asyncio.ensure_future(stop.wait())
+    lost = asyncio.ensure_future(server.backend.wait_lost())
+    await asyncio.wait([stopped, lost], return_when=asyncio.FIRST_COMPLETED)
+    for task in (stopped, lost):
+        task.cancel()
+    if lost.done() and not lost.cancelled():
+        # Crash-only: a shim whose engine is gone exits, so its supervisor restarts it and
+        # routers see it leave instead of sending work to an engine that cannot answer.
+        logger.error("the engine is gone (%s): stopping the shim", lost.result())
+        await server.stop(0.0)
+        return 1
     logger.info("draining for up to %.1f s", settings.drain_grace_s)
     await server.stop()
+    return 0
 
 
 def main(argv: list[str]) -> int:
@@ -116,11 +130,10 @@ def main(argv: list[str]) -> int:
     )
     if settings.tune_malloc:
         tune_for_large_buffers()
-    _loop_runner(settings.backend)(run(settings))
-    return 0
+    return _loop_runner(settings.backend)(run(settings))
 
 
-def _loop_runner(backend: str) -> Callable[[Coroutine[Any, Any, None]], None]:
+def _loop_runner(backend: str) -> Callable[[Coroutine[Any, Any, int]], int]:
     """The mlc backend's work is all sockets (an HTTP stream per running request), so its
     event loop's per-read cost is most of what it spends: uvloop when installed (in
     `bench mlc-relay` on 2 busy cores, shim CPU per 1,000 tokens at 128 streams went from

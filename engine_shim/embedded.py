@@ -32,7 +32,7 @@ from engine_shim.kv_peers import PeerAllowList
 from engine_shim.kv_receiver import HoldListener, KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
 from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
-from engine_shim.settings import ShimSettings
+from engine_shim.settings import ShimSettings, core_in_own_process
 
 if TYPE_CHECKING:
     import torch
@@ -42,8 +42,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Printed once the engine thread runs, for tools that tell the engine's own CPU time apart
-# from the shim's serving work in /proc (`microserving bench capacity`).
+# Printed once the engine loop runs, for tools that tell the engine's own CPU time apart from
+# the shim's serving work in /proc (`microserving bench capacity`): the loop's thread id, in
+# this process or in the engine core's (/proc/TID/task/TID finds it in either).
 ENGINE_THREAD_LINE = "microserving shim engine thread native id {tid}"
 
 
@@ -105,9 +106,8 @@ class EmbeddedBackend:
 
         self._address = advertise_address
         config = engine_config(self._settings)
-        engine = (
-            AsyncEngine(config) if self._core_factory is None
-            else AsyncEngine(config, self._core_factory)
+        engine = AsyncEngine(
+            config, self._core_factory, own_process=core_in_own_process(self._settings)
         )
         await engine.start()
         self._engine = engine
@@ -121,7 +121,7 @@ class EmbeddedBackend:
             kv_layout=engine.kv_layout,
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
         # stderr: stdout carries only the `listening on` line that launchers wait for.
-        print(ENGINE_THREAD_LINE.format(tid=engine.thread_native_id), file=sys.stderr, flush=True)
+        print(ENGINE_THREAD_LINE.format(tid=engine.engine_tid), file=sys.stderr, flush=True)
 
     async def shutdown(self) -> None:
         try:
@@ -296,6 +296,9 @@ class EmbeddedBackend:
 
     def tell_peers(self, addresses: Sequence[str]) -> None:
         self.kv_peers.tell(addresses)
+
+    async def wait_lost(self) -> str:
+        return await self.engine.wait_lost()
 
 
 def _start_nixl(transport: str, pool: torch.Tensor | None, host: str) -> NixlPlane | None:

@@ -49,6 +49,12 @@ class ShimSettings(BaseSettings):
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     cuda_graphs: bool = Field(True, description="Replay captured CUDA graphs for decode steps.")
+    engine_process: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Run the engine core in a process of its own (on) or a thread of the "
+        "shim (off); auto: its own process on CUDA and for the synthetic backend, which "
+        "stands for a GPU engine (on the CPU torch's kernels want the cores instead).",
+    )
     reservation_ttl_s: float = Field(
         30.0, gt=0, description="PrepRecv reservations not followed up are reclaimed after this."
     )
@@ -176,3 +182,10 @@ class ShimSettings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+
+def core_in_own_process(settings: ShimSettings) -> bool:
+    """Whether the engine core gets a process of its own (see `engine_process`)."""
+    if settings.engine_process != "auto":
+        return settings.engine_process == "on"
+    return settings.device.startswith("cuda") or settings.backend == "synthetic"

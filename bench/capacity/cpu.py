@@ -36,8 +36,10 @@ def group_cpu_s(pgid: int) -> float:
     return total
 
 
-def thread_cpu_s(pid: int, tid: int) -> float:
-    fields = _stat_fields(_PROC / str(pid) / "task" / str(tid) / "stat")
+def thread_cpu_s(tid: int) -> float:
+    """User + system seconds of one thread, in whichever process it lives (a shim's engine
+    loop runs in the shim or in its engine core process): /proc/TID/task/TID names it."""
+    fields = _stat_fields(_PROC / str(tid) / "task" / str(tid) / "stat")
     return 0.0 if fields is None else _cpu_s(fields)
 
 

@@ -1,26 +1,26 @@
-"""AsyncEngine: the LLMEngine driven by one background thread, spoken to from asyncio.
+"""AsyncEngine: the LLMEngine driven by one loop (core_loop.py) in a background thread or a
+process of its own (core_process.py), spoken to from asyncio.
 
-The core is not thread-safe, so every call becomes a command on a queue that only the engine
-thread executes; results and stream items come back through `loop.call_soon_threadsafe`.
-Closing or cancelling a stream aborts its request, so a client that goes away frees its KV.
+The core is not thread-safe, so every call becomes data (an op and its arguments) on the loop's
+inbox, executed only there; results and step outputs come back in batches, in order. Closing
+or cancelling a stream aborts its request, so a client that goes away frees its KV.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from microserving.tokenizer import Tokenizer
 
 from .api import (
     AlreadyExistsError,
-    EngineError,
     EngineStatus,
     GenerateOutput,
     KVChunk,
@@ -30,6 +30,8 @@ from .api import (
     UnavailableError,
 )
 from .config import EngineConfig
+from .core_loop import EVENTS, FAILED, RESULT, STOP, Call, CoreFacts, CoreLoop, Emit, core_facts
+from .core_process import ProcessDriver
 from .disaggregation import EngineEvent, SendFailed, SendReady
 from .llm_engine import LLMEngine
 
@@ -38,17 +40,63 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
-_IDLE_WAIT_S = 1.0  # longest idle sleep; commands wake the thread at once anyway
-_STOP = object()
 
 
-class _Command:
-    __slots__ = ("fn", "future")
+class _ThreadDriver:
+    """Runs the core in a thread of this process (the default on the CPU, and mlc-compat's)."""
 
-    def __init__(self, fn: Callable[[LLMEngine], Any], future: asyncio.Future[Any] | None):
-        self.fn = fn
-        self.future = future
+    def __init__(
+        self, config: EngineConfig, core_factory: Callable[[EngineConfig], LLMEngine] | None
+    ) -> None:
+        self._config = config
+        self._core_factory = core_factory or LLMEngine
+        self._calls: queue.Queue[Call | str] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self.core: LLMEngine | None = None
+
+    async def start(self, deliver: Emit, on_lost: Callable[[str], None]) -> CoreFacts:
+        loop = asyncio.get_running_loop()
+        started: asyncio.Future[CoreFacts] = loop.create_future()
+
+        def emit(batch: list[tuple[Any, ...]], status: EngineStatus) -> None:
+            loop.call_soon_threadsafe(deliver, batch, status)
+
+        def main() -> None:
+            try:
+                core = self._core_factory(self._config)
+                core.warmup()
+                facts = core_facts(core)
+            except Exception as exc:  # the model failed to load: report it to start()
+                logger.exception("engine failed to start")
+                loop.call_soon_threadsafe(_settle, started, None, exc)
+                return
+            self.core = core
+            loop.call_soon_threadsafe(_settle, started, facts, None)
+            CoreLoop(core, self, emit).run()
+
+        self._thread = threading.Thread(target=main, name="engine-loop", daemon=True)
+        self._thread.start()
+        return await started
+
+    def get(self, timeout: float | None) -> Call | str:
+        return self._calls.get_nowait() if timeout is None else self._calls.get(timeout=timeout)
+
+    def submit(self, call: Call) -> None:
+        self._calls.put(call)
+
+    async def stop(self) -> None:
+        if self._thread is not None:
+            self._calls.put(STOP)
+            await asyncio.to_thread(self._thread.join)
+
+
+def _settle(future: asyncio.Future[Any], value: object, exc: BaseException | None) -> None:
+    if future.done():
+        return  # the awaiting coroutine was cancelled
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(value)
 
 
 class _SinkStream:
@@ -80,79 +128,94 @@ class _SinkStream:
 
 class AsyncEngine:
     def __init__(
-        self, config: EngineConfig, core_factory: Callable[[EngineConfig], LLMEngine] = LLMEngine
+        self,
+        config: EngineConfig,
+        core_factory: Callable[[EngineConfig], LLMEngine] | None = None,
+        *,
+        own_process: bool = False,
     ) -> None:
-        """`core_factory` builds the core in the engine thread; only the benchmark-only
-        synthetic backend passes another (engine_shim/synthetic), to drive this same path."""
+        """`core_factory` builds the core where it runs; only the benchmark-only synthetic
+        backend passes one (engine_shim/synthetic), to drive this same path. `own_process`:
+        the core runs in a process of its own (core_process.py) instead of a thread."""
         self.config = config
-        self._core_factory = core_factory
-        self._core: LLMEngine | None = None
-        self._commands: queue.Queue[Any] = queue.Queue()
-        self._thread: threading.Thread | None = None
+        self._driver: _ThreadDriver | ProcessDriver = (
+            ProcessDriver(config, core_factory) if own_process
+            else _ThreadDriver(config, core_factory)
+        )
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._facts: CoreFacts | None = None
+        self._tokenizer: Tokenizer | None = None
+        self._pending: dict[int, asyncio.Future[Any]] = {}
+        self._call_ids = itertools.count()
         # Per request: an asyncio.Queue (generate) or a _SinkStream (run_generate).
         self._generate_queues: dict[str, Any] = {}
         self._send_queues: dict[str, Any] = {}
         self._status: EngineStatus | None = None
         self._is_stopping = False
+        self._is_own_process = own_process
+        self._lost_reason: asyncio.Future[str] | None = None
 
     # ---- lifecycle ----
     async def start(self) -> None:
-        """Load the model in the engine thread and warm it up."""
-        if self._thread is not None:
+        """Load the model where the core runs and warm it up."""
+        if self._loop is not None:
             return
         self._loop = asyncio.get_running_loop()
-        started: asyncio.Future[None] = self._loop.create_future()
-        self._thread = threading.Thread(
-            target=self._thread_main, args=(started,), name="engine-loop", daemon=True
-        )
-        self._thread.start()
-        await started
+        self._lost_reason = self._loop.create_future()
+        facts = await self._driver.start(self._deliver, self._lost)
+        self._facts, self._status = facts, facts.status
 
     async def shutdown(self) -> None:
-        if self._thread is None or self._is_stopping:
+        if self._loop is None or self._is_stopping:
             return
         self._is_stopping = True
-        self._commands.put(_STOP)
-        await asyncio.to_thread(self._thread.join)
-        error = UnavailableError("engine shut down")
-        for q in [*self._generate_queues.values(), *self._send_queues.values()]:
-            q.put_nowait(error)
+        await self._driver.stop()
+        self._fail_all(UnavailableError("engine shut down"))
 
     # ---- facts (valid after start) ----
     @property
-    def thread_native_id(self) -> int | None:
-        """The engine thread's id in the OS (/proc/PID/task/ID), once started."""
-        return None if self._thread is None else self._thread.native_id
+    def engine_tid(self) -> int | None:
+        """The engine loop's thread id in the OS (/proc/TID/task/TID), once started; in a
+        core process, that process's main thread."""
+        return None if self._facts is None else self._facts.engine_tid
 
     @property
-    def core(self) -> LLMEngine:
-        if self._core is None:
+    def engine_pid(self) -> int | None:
+        """The core process's id, when the core runs in one."""
+        return self._driver.pid if isinstance(self._driver, ProcessDriver) else None
+
+    @property
+    def facts(self) -> CoreFacts:
+        if self._facts is None:
             raise UnavailableError("engine not started")
-        return self._core
+        return self._facts
 
     @property
     def tokenizer(self) -> Tokenizer:
-        return self.core.tokenizer
+        if isinstance(self._driver, _ThreadDriver) and self._driver.core is not None:
+            return self._driver.core.tokenizer
+        if self._tokenizer is None:  # the core's lives in its process: the same, built here
+            self._tokenizer = Tokenizer.from_model(self.config.model)
+        return self._tokenizer
 
     @property
     def kv_layout(self) -> KVLayout:
-        return self.core.kv_layout
+        return self.facts.kv_layout
 
     @property
     def model_id(self) -> str:
-        return self.core.model_id
+        return self.facts.model_id
 
     @property
     def max_context_length(self) -> int:
-        return self.core.max_context_length
+        return self.facts.max_context_length
 
     @property
     def vocab_size(self) -> int:
-        return self.core.vocab_size
+        return self.facts.vocab_size
 
     def status(self) -> EngineStatus:
-        """The snapshot the engine thread published after its latest command or step."""
+        """The snapshot the core sent with its latest results or step."""
         if self._status is None:
             raise UnavailableError("engine not started")
         return self._status
@@ -165,30 +228,30 @@ class AsyncEngine:
         end: int,
         sampling: SamplingParams | None = None,
     ) -> PrepRecvResult:
-        ids = list(token_ids)
-        return await self._call(lambda core: core.prep_recv(request_id, ids, end, sampling))
+        result: PrepRecvResult = await self._call("prep_recv", request_id, list(token_ids), end, sampling)
+        return result
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
-        await self._call(lambda core: core.import_kv(request_id, chunk))
+        await self._call("import_kv", request_id, chunk)
 
     async def abort(self, request_id: str) -> bool:
-        return await self._call(lambda core: core.abort(request_id))
+        return bool(await self._call("abort", request_id))
 
     @property
     def kv_pool(self) -> torch.Tensor | None:
-        """The KV pool (kv_cache.py's layout), for a transfer engine to register; peers write
-        only slots a reservation handed out (begin_kv_write), and read only held sends'.
-        None for a core without one (the benchmark-only synthetic core)."""
-        if self._core is None:
+        """The KV pool (kv_cache.py's layout; shared with a core process), for a transfer
+        engine to register; peers write only slots a reservation handed out
+        (begin_kv_write), and read only held sends'. None for a core without one (the
+        benchmark-only synthetic core)."""
+        if self._facts is None:
             raise UnavailableError("engine is not running")
-        kv_cache = getattr(self._core, "kv_cache", None)
-        return None if kv_cache is None else kv_cache.kv
+        return self._facts.kv_pool
 
     async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
-        await self._call(lambda core: core.begin_kv_write(request_id, write_ends_at))
+        await self._call("begin_kv_write", request_id, write_ends_at)
 
     async def finish_kv_write(self, request_id: str) -> None:
-        await self._call(lambda core: core.finish_kv_write(request_id))
+        await self._call("finish_kv_write", request_id)
 
     @contextlib.asynccontextmanager
     async def held_send(
@@ -201,24 +264,22 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start(
-                lambda core: core.remote_send(request_id, ids, begin, end, cache_salt), request_id
-            )
+            await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt)
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):
                 is_released = True
                 raise item
-            yield await self._call(lambda core: core.send_slots(request_id))
+            yield await self._call("send_slots", request_id)
             is_released = True
-            await self._call(lambda core: core.finish_remote_send(request_id))
+            await self._call("finish_remote_send", request_id)
         finally:
             self._close_stream(self._send_queues, request_id, stream)
             if not is_released:
-                self._submit_nowait(lambda core: core.abort(request_id))
+                self._submit_nowait("abort", request_id)
 
     async def hold_reservation(self, request_id: str, is_held: bool) -> None:
-        await self._call(lambda core: core.hold_reservation(request_id, is_held))
+        await self._call("hold_reservation", request_id, is_held)
 
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
@@ -228,7 +289,7 @@ class AsyncEngine:
         stream = self._open_stream(self._generate_queues, request_id)
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start(lambda core: core.start_generate(request_id, ids, begin, sampling), request_id)
+            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling)
             is_done = False
             while True:
                 item = await stream.get()
@@ -243,7 +304,7 @@ class AsyncEngine:
         finally:
             self._close_stream(self._generate_queues, request_id, stream)
             if not is_done:
-                self._submit_nowait(lambda core: core.abort(request_id))
+                self._submit_nowait("abort", request_id)
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
@@ -262,7 +323,7 @@ class AsyncEngine:
         self._generate_queues[request_id] = stream
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start(lambda core: core.start_generate(request_id, ids, begin, sampling), request_id)
+            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling)
             is_done = False
             try:
                 await done
@@ -272,7 +333,7 @@ class AsyncEngine:
         finally:
             self._close_stream(self._generate_queues, request_id, stream)
             if not is_done:
-                self._submit_nowait(lambda core: core.abort(request_id))
+                self._submit_nowait("abort", request_id)
 
     async def remote_send(
         self,
@@ -292,24 +353,24 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start(lambda core: core.remote_send(request_id, ids, begin, end, cache_salt), request_id)
+            await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt)
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):
                 is_released = True
                 raise item
-            windows = await self._call(lambda core: core.export_windows(request_id))
+            windows = await self._call("export_windows", request_id)
 
             def export(i: int) -> asyncio.Future[KVChunk]:
                 chunk_begin, num_tokens = windows[i]
                 is_last = i == len(windows) - 1
                 out = None if export_into is None else export_into(chunk_begin, num_tokens)
-                return asyncio.ensure_future(self._call(
-                    lambda core: _export(core, request_id, chunk_begin, num_tokens, is_last, out)
-                ))
+                return asyncio.ensure_future(
+                    self._export(request_id, chunk_begin, num_tokens, is_last, out)
+                )
 
-            # One chunk of lookahead: the engine thread copies chunk i+1 out of the pool
-            # while the consumer sends chunk i, so copy and transfer overlap.
+            # One chunk of lookahead: the engine copies chunk i+1 out of the pool while the
+            # consumer sends chunk i, so copy and transfer overlap.
             pending = export(0) if windows else None
             for i in range(len(windows)):
                 assert pending is not None  # set for every index below len(windows)
@@ -325,9 +386,21 @@ class AsyncEngine:
         finally:
             self._close_stream(self._send_queues, request_id, stream)
             if not is_released:
-                self._submit_nowait(lambda core: core.abort(request_id))
+                self._submit_nowait("abort", request_id)
 
-    # ---- plumbing: event loop side ----
+    async def _export(
+        self, request_id: str, begin: int, num_tokens: int, is_last: bool, out: torch.Tensor | None
+    ) -> KVChunk:
+        if not self._is_own_process or out is None:
+            chunk: KVChunk = await self._call("export_chunk", request_id, begin, num_tokens, is_last, out)
+            return chunk
+        # A stage of this process is not the core's to write: the chunk comes back by handle
+        # and is copied into its window here.
+        chunk = await self._call("export_chunk", request_id, begin, num_tokens, is_last, None)
+        out.copy_(chunk.data)  # type: ignore[arg-type]  # a CPU tensor (api types it object)
+        return KVChunk(begin=chunk.begin, num_tokens=chunk.num_tokens, data=out)
+
+    # ---- plumbing ----
     def _open_stream(self, streams: dict[str, Any], request_id: str) -> asyncio.Queue[Any]:
         if request_id in streams:
             raise AlreadyExistsError(f"request {request_id!r} is already streaming")
@@ -340,92 +413,48 @@ class AsyncEngine:
         if streams.get(request_id) is stream:
             del streams[request_id]
 
-    async def _call(self, fn: Callable[[LLMEngine], T]) -> T:
+    async def _call(self, op: str, *args: Any) -> Any:
         if self._loop is None or self._is_stopping:
             raise UnavailableError("engine is not running")
-        future: asyncio.Future[T] = self._loop.create_future()
-        self._commands.put(_Command(fn, future))
-        return await future
-
-    async def _start(self, fn: Callable[[LLMEngine], None], request_id: str) -> None:
+        call_id = next(self._call_ids)
+        future: asyncio.Future[Any] = self._loop.create_future()
+        self._pending[call_id] = future
         try:
-            await self._call(fn)
+            self._driver.submit(Call(call_id, op, args))
+            return await future
+        finally:
+            self._pending.pop(call_id, None)
+
+    async def _start_op(self, request_id: str, op: str, *args: Any) -> None:
+        try:
+            await self._call(op, *args)
         except asyncio.CancelledError:
-            # The command may still run after we stop waiting: queue an abort behind it.
-            self._submit_nowait(lambda core: core.abort(request_id))
+            # The call may still run after we stop waiting: queue an abort behind it.
+            self._submit_nowait("abort", request_id)
             raise
 
-    def _submit_nowait(self, fn: Callable[[LLMEngine], Any]) -> None:
+    def _submit_nowait(self, op: str, *args: Any) -> None:
         if not self._is_stopping:
-            self._commands.put(_Command(fn, None))
+            with contextlib.suppress(UnavailableError):
+                self._driver.submit(Call(None, op, args))
 
-    # ---- plumbing: engine thread side ----
-    def _thread_main(self, started: asyncio.Future[None]) -> None:
-        try:
-            core = self._core_factory(self.config)
-            core.warmup()
-        except Exception as exc:  # the model failed to load: report it to start()
-            logger.exception("engine failed to start")
-            self._resolve(started, exc=exc)
-            return
-        self._core = core
-        self._status = core.status()
-        self._resolve(started, value=None)
-        while self._run_commands(core, block=not core.has_work):
-            if core.has_work:
-                self._step(core)
-
-    def _run_commands(self, core: LLMEngine, block: bool) -> bool:
-        """Run queued commands (waiting for one if idle); False once asked to stop."""
-        timeout = self._idle_timeout(core) if block else None
-        while True:
-            try:
-                item = self._commands.get(timeout=timeout) if block else self._commands.get_nowait()
-            except queue.Empty:
-                if block:
-                    core.reap_expired_reservations()  # and fences past their end
-                    self._status = core.status()  # what they freed shows in GetStatus
-                return True
-            if item is _STOP:
-                return False
-            self._execute(core, item)
-            self._status = core.status()
-            block = False  # after the first command, drain without waiting
-
-    @staticmethod
-    def _idle_timeout(core: LLMEngine) -> float:
-        deadline = core.next_deadline()
-        if deadline is None:
-            return _IDLE_WAIT_S
-        return min(_IDLE_WAIT_S, max(0.0, deadline - time.monotonic()) + 0.01)
-
-    def _execute(self, core: LLMEngine, command: _Command) -> None:
-        try:
-            value = command.fn(core)
-        except EngineError as exc:
-            self._resolve(command.future, exc=exc)
-        except Exception as exc:
-            logger.exception("engine command failed")
-            self._resolve(command.future, exc=EngineError(f"internal engine error: {exc}"))
-        else:
-            self._status = core.status()  # publish before the caller resumes
-            self._resolve(command.future, value=value)
-
-    def _step(self, core: LLMEngine) -> None:
-        try:
-            events = core.step()
-        except Exception as exc:
-            logger.exception("engine step failed; failing the requests in flight")
-            self._fail_everything(core, EngineError(f"internal engine error: {exc}"))
-            return
-        self._status = core.status()  # publish before consumers see the outputs
-        if events and self._loop is not None:
-            # One hand-off per step, whatever the batch size: a wake-up of the event loop
-            # (a write to its self-pipe) per output was the shim's largest per-token cost.
-            self._loop.call_soon_threadsafe(self._dispatch_all, events)
+    def _deliver(self, batch: list[tuple[Any, ...]], status: EngineStatus) -> None:
+        """In the event loop: one batch of the core's, in order (results, step events)."""
+        self._status = status  # published before consumers see what changed it
+        for entry in batch:
+            kind = entry[0]
+            if kind == EVENTS:
+                self._dispatch_all(entry[1])
+            elif kind == RESULT:
+                _, call_id, value, error = entry
+                future = self._pending.pop(call_id, None)
+                if future is not None:
+                    _settle(future, value, error)
+            elif kind == FAILED:
+                self._fail_requests(entry[1])
 
     def _dispatch_all(self, events: list[EngineEvent]) -> None:
-        """In the event loop: each event of one step to its stream, in order."""
+        """Each event of one step to its stream, in order."""
         generate, send = self._generate_queues, self._send_queues
         for event in events:
             if isinstance(event, GenerateOutput):
@@ -440,54 +469,31 @@ class AsyncEngine:
             if stream is not None:  # its consumer may have gone: drop the item
                 stream.put_nowait(item)
 
-    def _fail_everything(self, core: LLMEngine, error: EngineError) -> None:
-        for request_id in [*self._generate_queues, *self._send_queues]:
-            try:
-                core.abort(request_id)
-            except Exception:
-                logger.exception("abort after engine failure failed for %s", request_id)
-            self._post(self._generate_queues, request_id, error)
-            self._post(self._send_queues, request_id, error)
+    def _fail_requests(self, error: BaseException) -> None:
+        """A step failed: abort every request this side knows and fail its stream."""
+        for request_id in {*self._generate_queues, *self._send_queues}:
+            self._submit_nowait("abort", request_id)
+        self._fail_streams(error)
 
-    def _post(self, streams: dict[str, Any], request_id: str, item: object) -> None:
-        loop = self._loop
-        if loop is None:
-            return
+    def _fail_streams(self, error: BaseException) -> None:
+        for stream in [*self._generate_queues.values(), *self._send_queues.values()]:
+            stream.put_nowait(error)
 
-        def put() -> None:
-            stream = streams.get(request_id)
-            if stream is not None:  # its consumer may have gone: drop the item
-                stream.put_nowait(item)
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail_streams(error)
+        for future in self._pending.values():
+            _settle(future, None, error)
+        self._pending.clear()
 
-        loop.call_soon_threadsafe(put)
+    async def wait_lost(self) -> str:
+        """Returns (why) once the core process has died; never while the engine lives."""
+        if self._lost_reason is None:
+            raise UnavailableError("engine not started")
+        return await asyncio.shield(self._lost_reason)
 
-    def _resolve(
-        self, future: asyncio.Future[Any] | None, value: object = None, exc: BaseException | None = None
-    ) -> None:
-        loop = self._loop
-        if future is None or loop is None:
-            return
-
-        def settle() -> None:
-            if future.done():
-                return  # the awaiting coroutine was cancelled
-            if exc is not None:
-                future.set_exception(exc)
-            else:
-                future.set_result(value)
-
-        loop.call_soon_threadsafe(settle)
-
-
-def _export(
-    core: LLMEngine,
-    request_id: str,
-    begin: int,
-    num_tokens: int,
-    is_last: bool,
-    out: torch.Tensor | None,
-) -> KVChunk:
-    chunk = core.export_kv(request_id, begin, num_tokens, out)
-    if is_last:
-        core.finish_remote_send(request_id)
-    return chunk
+    def _lost(self, reason: str) -> None:
+        """The core process died: nothing in flight will ever be answered."""
+        self._is_stopping = True
+        self._fail_all(UnavailableError(reason))
+        if self._lost_reason is not None and not self._lost_reason.done():
+            self._lost_reason.set_result(reason)

@@ -10,6 +10,7 @@ at 128 streams)."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import json
@@ -232,6 +233,11 @@ class MLCBackend:
             return False  # MLC has no abort route for a parked prep_recv
         response.close()  # drops the connection: MLC aborts the request
         return True
+
+    async def wait_lost(self) -> str:
+        """MLC's server is checked call by call (its errors map to UNAVAILABLE)."""
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
 
     def tell_peers(self, addresses: Sequence[str]) -> None:
         """MLC moves KV itself (NVSHMEM, within its own deployment): nothing to keep."""

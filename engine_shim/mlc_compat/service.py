@@ -68,7 +68,7 @@ class CompatService:
         else:
             engine = AsyncEngine(config)
         await engine.start()
-        print(ENGINE_THREAD_LINE.format(tid=engine.thread_native_id), file=sys.stderr, flush=True)
+        print(ENGINE_THREAD_LINE.format(tid=engine.engine_tid), file=sys.stderr, flush=True)
         self._engine = engine
         self._relay = kv_relay.KVRelay(s.peers, engine.kv_layout, s.kv_chunk_bytes)
 

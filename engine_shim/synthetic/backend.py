@@ -6,6 +6,7 @@ SyntheticCore in place of the torch engine, so any change to that path shows up 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import TYPE_CHECKING, cast
 
 from engine_shim.embedded import EmbeddedBackend
@@ -29,11 +30,9 @@ def profile_from(settings: ShimSettings) -> StepProfile:
 class SyntheticBackend(EmbeddedBackend):
     def __init__(self, settings: ShimSettings) -> None:
         profile = profile_from(settings)
-
-        def build(config: EngineConfig) -> SyntheticCore:
-            return SyntheticCore(config, profile)
-
-        # SyntheticCore offers the part of LLMEngine's interface AsyncEngine calls.
+        # SyntheticCore offers the part of LLMEngine's interface AsyncEngine calls; a partial
+        # of the class pickles, so it can build the core in a process of its own too.
+        build = partial(SyntheticCore, profile=profile)
         super().__init__(
             settings, cast("Callable[[EngineConfig], LLMEngine]", build), name="synthetic"
         )

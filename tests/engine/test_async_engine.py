@@ -1,5 +1,6 @@
 """AsyncEngine: the same PD flow through the asyncio API, errors surface as domain errors,
-and cancelling or closing a stream frees its request."""
+and cancelling or closing a stream frees its request; all of it with the core in a thread and
+in a process of its own."""
 
 from __future__ import annotations
 
@@ -27,10 +28,12 @@ async def _eventually(predicate, timeout_s: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
-@pytest.fixture
-async def engines():
+@pytest.fixture(params=[False, True], ids=["thread", "process"])
+async def engines(request):
     config = EngineConfig(num_pages=128, kv_export_chunk_tokens=32)
-    prefill, decode = AsyncEngine(config), AsyncEngine(config)
+    own_process = request.param
+    prefill = AsyncEngine(config, own_process=own_process)
+    decode = AsyncEngine(config, own_process=own_process)
     await asyncio.gather(prefill.start(), decode.start())
     yield prefill, decode
     await asyncio.gather(prefill.shutdown(), decode.shutdown())

@@ -1,0 +1,179 @@
+"""The loop that drives an engine core, wherever it runs: in a thread of the shim's process or
+in a process of its own (core_process.py). It takes calls from an inbox, steps the core while
+it has work, and emits what happened in batches: every call's result and every step's events,
+in order, each batch with the status snapshot the core had when it was sent.
+
+Calls are plain data (an op name and picklable arguments), so the same loop serves a thread
+(queue.Queue) and a process (a pipe) without knowing which.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from .api import EngineError, EngineStatus, KVChunk, KVLayout
+
+if TYPE_CHECKING:
+    import torch
+
+    from .llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_IDLE_WAIT_S = 1.0  # longest idle sleep; calls wake the loop at once anyway
+STOP = "stop"  # put in the inbox to end the loop
+
+# Kinds of the entries of an emitted batch.
+RESULT = 0  # (RESULT, call_id, value, error): a call's outcome
+EVENTS = 1  # (EVENTS, events): one step's outputs and send notifications, in order
+FAILED = 2  # (FAILED, error): a step failed; every request in flight is to be failed
+
+# The core's methods a call may name (plus export_chunk below); nothing else is callable.
+OPS = frozenset({
+    "prep_recv", "import_kv", "abort", "begin_kv_write", "finish_kv_write", "remote_send",
+    "send_slots", "finish_remote_send", "hold_reservation", "start_generate", "export_windows",
+})
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    call_id: int | None  # None: nobody waits for the result
+    op: str
+    args: tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class CoreFacts:
+    """What the host learns once the core has loaded and warmed up."""
+
+    model_id: str
+    kv_layout: KVLayout
+    max_context_length: int
+    vocab_size: int
+    status: EngineStatus
+    engine_tid: int  # the loop's thread id in the OS (/proc/TID/task/TID)
+    kv_pool: torch.Tensor | None  # the KV pool, shared with the host (None: synthetic core)
+
+
+Emit = Callable[[list[tuple[Any, ...]], EngineStatus], None]
+
+
+class Inbox(Protocol):
+    def get(self, timeout: float | None) -> Call | str:
+        """The next call or STOP; waits up to `timeout` (None: do not wait) and raises
+        queue.Empty when there is none."""
+        ...
+
+
+def core_facts(core: LLMEngine) -> CoreFacts:
+    kv_cache = getattr(core, "kv_cache", None)  # the benchmark-only synthetic core has none
+    return CoreFacts(
+        model_id=core.model_id,
+        kv_layout=core.kv_layout,
+        max_context_length=core.max_context_length,
+        vocab_size=core.vocab_size,
+        status=core.status(),
+        engine_tid=threading.get_native_id(),
+        kv_pool=None if kv_cache is None else kv_cache.kv,
+    )
+
+
+def run_op(core: LLMEngine, call: Call) -> object:
+    if call.op == "export_chunk":
+        return export_chunk(core, *call.args)
+    if call.op not in OPS:
+        raise EngineError(f"unknown engine op {call.op!r}")
+    return getattr(core, call.op)(*call.args)
+
+
+def export_chunk(
+    core: LLMEngine,
+    request_id: str,
+    begin: int,
+    num_tokens: int,
+    is_last: bool,
+    out: torch.Tensor | None,
+) -> KVChunk:
+    """One chunk of a send's KV; the send's pages are released after the last one."""
+    chunk = core.export_kv(request_id, begin, num_tokens, out)
+    if is_last:
+        core.finish_remote_send(request_id)
+    return chunk
+
+
+class CoreLoop:
+    def __init__(self, core: LLMEngine, inbox: Inbox, emit: Emit) -> None:
+        self._core = core
+        self._inbox = inbox
+        self._emit = emit
+        self._out: list[tuple[Any, ...]] = []
+
+    def run(self) -> None:
+        """Until STOP: run the calls that came in (waiting for one while idle), then a step."""
+        core = self._core
+        while self._run_calls(block=not core.has_work):
+            if core.has_work:
+                self._step()
+
+    def _run_calls(self, block: bool) -> bool:
+        core = self._core
+        timeout = self._idle_timeout() if block else None
+        try:
+            while True:
+                try:
+                    item = self._inbox.get(timeout)
+                except queue.Empty:
+                    if block:
+                        core.reap_expired_reservations()  # and fences past their end
+                        self._out.append((EVENTS, []))  # what they freed shows in GetStatus
+                    return True
+                if item == STOP:
+                    return False
+                assert isinstance(item, Call)
+                self._execute(item)
+                timeout = None  # after the first call, drain without waiting
+        finally:
+            self._flush()
+
+    def _idle_timeout(self) -> float:
+        deadline = self._core.next_deadline()
+        if deadline is None:
+            return _IDLE_WAIT_S
+        return min(_IDLE_WAIT_S, max(0.0, deadline - time.monotonic()) + 0.01)
+
+    def _execute(self, call: Call) -> None:
+        value: object = None
+        error: BaseException | None = None
+        try:
+            value = run_op(self._core, call)
+        except EngineError as exc:
+            error = exc
+        except Exception as exc:
+            logger.exception("engine call %s failed", call.op)
+            error = EngineError(f"internal engine error: {exc}")
+        if call.call_id is not None:
+            self._out.append((RESULT, call.call_id, value, error))
+
+    def _step(self) -> None:
+        try:
+            events = self._core.step()
+        except Exception as exc:
+            logger.exception("engine step failed; failing the requests in flight")
+            self._out.append((FAILED, EngineError(f"internal engine error: {exc}")))
+        else:
+            if events:
+                # One hand-off per step, whatever the batch size: a wake-up of the event
+                # loop per output was the shim's largest per-token cost.
+                self._out.append((EVENTS, events))
+        self._flush()
+
+    def _flush(self) -> None:
+        if self._out:
+            out, self._out = self._out, []
+            self._emit(out, self._core.status())  # the status travels with what changed it

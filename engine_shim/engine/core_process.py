@@ -1,0 +1,233 @@
+"""The engine core in a process of its own (as vLLM's EngineCore): the shim's event loop and the
+engine's Python host work no longer share one GIL, so a GPU engine steps at its own pace while
+the shim serves. The two processes meet through one pipe (a Unix socket pair): calls go in,
+and out comes one message per loop turn (core_loop's batches). The KV pool is shared, not
+copied: torch hands the child's pool to the shim as shared memory (CPU) or a CUDA IPC
+mapping, so the KV data plane (NIXL, shared-memory stage) registers and reads it in place.
+
+multiprocessing's spawn context is used (a CUDA context cannot survive a fork), with torch's
+tensor reductions registered so tensors in calls and results cross by handle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any
+
+from .api import UnavailableError
+from .core_loop import STOP, Call, CoreFacts, CoreLoop, Emit, core_facts
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from .config import EngineConfig
+    from .llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+_START_POLL_S = 0.5
+_STOP_WAIT_S = 10.0
+
+
+class ProcessDriver:
+    """Runs the core in a child process; `submit` and the batches it emits keep the order
+    of a thread's queue."""
+
+    def __init__(
+        self, config: EngineConfig, core_factory: Callable[[EngineConfig], LLMEngine] | None
+    ) -> None:
+        self._config = config
+        self._core_factory = core_factory  # picklable: a class or a module-level function
+        self._conn: Connection | None = None
+        self._process: BaseProcess | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._deliver: Emit | None = None
+        self._on_lost: Callable[[str], None] | None = None
+        self._is_stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._process is None else self._process.pid
+
+    async def start(self, deliver: Emit, on_lost: Callable[[str], None]) -> CoreFacts:
+        import torch.multiprocessing as mp  # registers tensor reductions in ForkingPickler
+
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe(duplex=True)
+        process = ctx.Process(
+            target=_child_main,
+            args=(self._config, self._core_factory, child, logging.getLogger().level),
+            name="engine-core",
+            daemon=True,  # never outlives the shim
+        )
+        process.start()
+        child.close()
+        self._conn, self._process = parent, process
+        try:
+            facts = await asyncio.to_thread(_await_start, parent, process)
+        except BaseException:
+            _end(process)
+            raise
+        self._loop, self._deliver, self._on_lost = asyncio.get_running_loop(), deliver, on_lost
+        self._loop.add_reader(parent.fileno(), self._on_readable)
+        return facts
+
+    def submit(self, call: Call) -> None:
+        if self._conn is None or self._is_stopping:
+            raise UnavailableError("engine is not running")
+        try:
+            self._conn.send(call)
+        except OSError as error:  # the child is gone; the reader reports it
+            raise UnavailableError(f"engine process unreachable: {error}") from None
+
+    async def stop(self) -> None:
+        if self._process is None or self._is_stopping:
+            return
+        self._is_stopping = True
+        if self._conn is not None:
+            with contextlib.suppress(OSError):
+                self._conn.send(STOP)
+        await asyncio.to_thread(self._process.join, _STOP_WAIT_S)
+        self._close()
+        await asyncio.to_thread(_end, self._process)
+
+    def _on_readable(self) -> None:
+        """In the event loop: every complete message the child has written so far."""
+        conn, deliver = self._conn, self._deliver
+        assert conn is not None and deliver is not None  # set before the reader is added
+        try:
+            while conn.poll():
+                batch, status = conn.recv()
+                deliver(batch, status)
+        except (EOFError, OSError):
+            self._lost()
+
+    def _lost(self) -> None:
+        self._close()
+        if self._is_stopping:
+            return
+        self._is_stopping = True
+        code = None if self._process is None else self._process.exitcode
+        reason = f"engine process exited (code {code})"
+        logger.error("%s; failing every request in flight", reason)
+        if self._on_lost is not None:
+            self._on_lost(reason)
+
+    def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._loop is not None:
+            self._loop.remove_reader(conn.fileno())
+        conn.close()
+
+
+def _await_start(conn: Connection, process: BaseProcess) -> CoreFacts:
+    """In a worker thread: the child's first message, the facts (or why it failed)."""
+    while not conn.poll(_START_POLL_S):
+        if not process.is_alive():
+            raise UnavailableError(f"engine process exited while starting (code {process.exitcode})")
+    try:
+        kind, value = conn.recv()
+    except EOFError:
+        raise UnavailableError("engine process exited while starting") from None
+    if kind == "failed":
+        raise value
+    assert isinstance(value, CoreFacts)
+    return value
+
+
+def _end(process: BaseProcess) -> None:
+    if process.is_alive():
+        process.kill()
+    process.join(_STOP_WAIT_S)
+
+
+# ---- the child ----
+
+class _PipeInbox:
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+
+    def get(self, timeout: float | None) -> Call | str:
+        if not self._conn.poll(timeout or 0):
+            raise queue.Empty
+        try:
+            item: Call | str = self._conn.recv()
+        except EOFError:  # the shim is gone: stop
+            return STOP
+        return item
+
+
+class _Writer:
+    """Sends the loop's batches from a thread of its own, so the loop never blocks on a full
+    pipe (the shim may itself be blocked sending a large call), and pickling overlaps the
+    loop's waits on the device."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="engine-core-writer", daemon=True)
+        self._thread.start()
+
+    def emit(self, batch: list[tuple[Any, ...]], status: object) -> None:
+        self._queue.put((batch, status))
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            try:
+                self._conn.send(item)
+            except OSError:
+                return  # the shim is gone
+
+
+def _child_main(
+    config: EngineConfig,
+    core_factory: Callable[[EngineConfig], LLMEngine] | None,
+    conn: Connection,
+    log_level: int,
+) -> None:
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
+    try:
+        core = _build_core(config, core_factory)
+        facts = core_facts(core)
+    except Exception as exc:
+        logger.exception("engine failed to start")
+        conn.send(("failed", UnavailableError(f"engine failed to start: {exc}")))
+        return
+    conn.send(("started", facts))
+    writer = _Writer(conn)
+    try:
+        CoreLoop(core, _PipeInbox(conn), writer.emit).run()
+    finally:
+        writer.close()
+        conn.close()
+    os._exit(0)  # skip interpreter teardown of CUDA state and worker threads
+
+
+def _build_core(
+    config: EngineConfig, core_factory: Callable[[EngineConfig], LLMEngine] | None
+) -> LLMEngine:
+    if core_factory is None:
+        from .llm_engine import LLMEngine
+
+        core_factory = LLMEngine
+    core = core_factory(config)
+    kv_cache = getattr(core, "kv_cache", None)
+    if kv_cache is not None and not kv_cache.kv.is_cuda:
+        # Into shared memory before anything keeps a raw pointer to it (the warm-up, a
+        # transfer engine), so the shim maps the very pages the engine writes.
+        kv_cache.kv.share_memory_()
+    core.warmup()
+    return core
