@@ -38,8 +38,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--enable-prefix-cache", str, "true | false: reuse KV of shared prompt prefixes (embedded)"),
     ("--cuda-graphs", str, "true | false: replay CUDA graphs for decode steps (embedded, CUDA)"),
     ("--engine-process", str, "auto | on | off: the engine core in a process of its own (auto: "
-     "on CUDA and for the synthetic backend), so its host work and the shim's serving each "
-     "get a core"),
+     "on CUDA), so its host work and the shim's serving each get a core"),
     ("--reservation-ttl-s", float, "seconds a PrepRecv reservation waits for its StartGenerate"),
     ("--mlc-url", str, "base URL of a running MLC-LLM server (mlc backend)"),
     ("--mlc-model-lib", str, "model lib: start `mlc_llm serve` when no --mlc-url is given"),

@@ -52,8 +52,9 @@ class ShimSettings(BaseSettings):
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run the engine core in a process of its own (on) or a thread of the "
-        "shim (off); auto: its own process on CUDA and for the synthetic backend, which "
-        "stands for a GPU engine (on the CPU torch's kernels want the cores instead).",
+        "shim (off); auto: its own process on CUDA, where the engine's Python host work "
+        "would otherwise share one GIL with the shim's serving; a thread on the CPU, where "
+        "the engine's kernels want the cores and a pipe between the two costs CPU.",
     )
     reservation_ttl_s: float = Field(
         30.0, gt=0, description="PrepRecv reservations not followed up are reclaimed after this."
@@ -188,4 +189,4 @@ def core_in_own_process(settings: ShimSettings) -> bool:
     """Whether the engine core gets a process of its own (see `engine_process`)."""
     if settings.engine_process != "auto":
         return settings.engine_process == "on"
-    return settings.device.startswith("cuda") or settings.backend == "synthetic"
+    return settings.device.startswith("cuda")
