@@ -115,7 +115,10 @@ def _on_chunk(chunk: dict[str, Any], record: StreamRecord, now_s: float, window:
         record.completion_tokens = usage.get("completion_tokens")
     for choice in chunk.get("choices") or ():
         text = choice.get("text") or ""
-        if text:
+        # A chunk carries tokens whenever it has text, or no finish: a token whose text is
+        # not complete UTF-8 yet (common with a model's random weights) comes as text "".
+        # Timing only text would time the detokenizer's holding back, not the relay.
+        if text or not choice.get("finish_reason"):
             if record.ttft_s is None:
                 record.ttft_s = now_s - record.started_s
             record.chunk_times_s.append(now_s)

@@ -27,6 +27,7 @@ class AloneResult:
     ttft_p50_s: float
     num_tokens: int
     span_s: float
+    staggered: bool = False
 
     def as_nominal(self) -> Nominal:
         return Nominal(tok_s=self.tok_s, decode_tok_s=self.tok_s, ttft_s=self.ttft_p50_s)
@@ -46,7 +47,12 @@ class EngineAlone:
         self._next_id = 0
 
     def run(self, streams: int, input_len: int, output_len: int, num_requests: int,
-            seed: int) -> AloneResult:
+            seed: int, staggered: bool = False) -> AloneResult:
+        """`staggered`: the streams start one engine step apart instead of all at once. With
+        equal output lengths, streams that start together finish together and come back
+        together, so the engine alternates waves of prefill with runs of pure decode (its
+        fastest steps); staggered, the arrivals spread over the steps as they do behind any
+        network hop, and most steps carry a prefill beside the decodes."""
         from engine_shim.engine.api import GenerateOutput, SamplingParams
 
         engine = self.engine
@@ -66,9 +72,14 @@ class EngineAlone:
             engine.start_generate(request_id, prompt_ids(rng, input_len), 0, sampling)
 
         origin_s = time.perf_counter()
-        for _ in range(min(streams, num_requests)):
+        to_start = min(streams, num_requests)
+        for _ in range(1 if staggered else to_start):
             submit()
+        to_start -= 1 if staggered else to_start
         while started_s:
+            if to_start > 0:  # staggered: one more stream each step until all run
+                submit()
+                to_start -= 1
             events = engine.step()
             now_s = time.perf_counter()
             for event in events:
@@ -85,7 +96,8 @@ class EngineAlone:
                     if remaining > 0:
                         submit()
         span_s = time.perf_counter() - origin_s
-        return AloneResult(streams, num_tokens / span_s, percentile(ttfts, 50), num_tokens, span_s)
+        return AloneResult(streams, num_tokens / span_s, percentile(ttfts, 50), num_tokens, span_s,
+                           staggered)
 
     def close(self) -> None:
         import torch

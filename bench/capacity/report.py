@@ -61,6 +61,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     head = ["pattern", "streams", "nominal tok/s", "client tok/s", "ratio", "TTFT +p50 ms",
             "ITL p99 ms", "gateway", "router", *shim_names, "sum", "engine thr", "client",
             "busy cores"]
+    has_staggered = any("ratio_vs_staggered" in r for r in rows)
+    if has_staggered:  # the embedded backend: the engine alone with staggered arrivals too
+        head[5:5] = ["alone staggered tok/s", "ratio vs staggered"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cpu = r["cpu_ms_per_1k_tokens"]
@@ -74,5 +77,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                  *(_fmt(cpu.get(n), 1) for n in shim_names), _fmt(cpu["total"], 1),
                  _fmt(engine, 1), _fmt(r["client_cpu_ms_per_1k_tokens"], 1),
                  _fmt(r["machine_busy_cores"], 2)]
+        if has_staggered:
+            cells[5:5] = [_fmt(r.get("alone_staggered_tok_s")), _fmt(r.get("ratio_vs_staggered"), 2)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
