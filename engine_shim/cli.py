@@ -37,6 +37,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--prefill-chunk-size", int, "prompt tokens one engine step computes (embedded)"),
     ("--enable-prefix-cache", str, "true | false: reuse KV of shared prompt prefixes (embedded)"),
     ("--cuda-graphs", str, "true | false: replay CUDA graphs for decode steps (embedded, CUDA)"),
+    ("--prefill-hold-ms", float, "while requests decode, a new prompt waits up to this long for "
+     "others to share its prefill step (embedded; default 0)"),
     ("--engine-process", str, "auto | on | off: the engine core in a process of its own (auto: "
      "on CUDA), so its host work and the shim's serving each get a core"),
     ("--reservation-ttl-s", float, "seconds a PrepRecv reservation waits for its StartGenerate"),

@@ -59,6 +59,7 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
         reservation_ttl_s=settings.reservation_ttl_s,
         max_num_seqs=settings.max_num_seqs,
         prefill_chunk_size=settings.prefill_chunk_size,
+        prefill_hold_ms=settings.prefill_hold_ms,
         enable_prefix_cache=settings.enable_prefix_cache,
         cuda_graphs=settings.cuda_graphs,
         kv_export_chunk_bytes=settings.kv_push_chunk_bytes,  # one export = one PushKV message

@@ -49,6 +49,11 @@ class ShimSettings(BaseSettings):
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     cuda_graphs: bool = Field(True, description="Replay captured CUDA graphs for decode steps.")
+    prefill_hold_ms: float = Field(
+        0.0, ge=0.0, le=1000.0,
+        description="While requests decode, a new prompt waits up to this long for others to "
+        "share its prefill step (embedded; fewer steps that cannot replay a CUDA graph).",
+    )
     engine_process: Literal["auto", "on", "off"] = Field(
         "auto",
         description="Run the engine core in a process of its own (on) or a thread of the "

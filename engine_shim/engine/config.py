@@ -177,6 +177,9 @@ class EngineConfig:
     kv_cache_memory_mb: int = 256
     max_num_seqs: int = 64  # running sequences per step
     prefill_chunk_size: int = 512  # prompt tokens computed per step, over all sequences
+    # While sequences decode, a new prompt waits up to this long for others to share its
+    # prefill step (scheduler.py: fewer mixed steps, which cannot replay a CUDA graph).
+    prefill_hold_ms: float = 0.0
     enable_prefix_cache: bool = True
     reservation_ttl_s: float = 30.0  # prep_recv reservations not followed up are reclaimed
     seed: int = 0  # weights of presets and the default sampling generator
@@ -206,6 +209,8 @@ class EngineConfig:
             raise ValueError("num_pages must be >= 1")
         if self.max_num_seqs < 1 or self.prefill_chunk_size < 1:
             raise ValueError("max_num_seqs and prefill_chunk_size must be >= 1")
+        if not 0.0 <= self.prefill_hold_ms <= 1000.0:
+            raise ValueError("prefill_hold_ms must be within [0, 1000]")
         if self.kv_export_chunk_tokens < 1:
             raise ValueError("kv_export_chunk_tokens must be >= 1")
         if self.kv_export_chunk_bytes is not None and self.kv_export_chunk_bytes < 1:

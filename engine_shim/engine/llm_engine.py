@@ -88,7 +88,10 @@ class LLMEngine(DisaggregationOps):
             self.model_config, self.num_pages, self.page_size, DTYPES[config.dtype], config.device
         )
         self.block_manager = BlockManager(self.num_pages, self.page_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.prefill_chunk_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_num_seqs, config.prefill_chunk_size,
+            prefill_hold_s=config.prefill_hold_ms / 1e3,
+        )
         self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.page_size)
         self.fingerprint = model_fingerprint(self.model_config, model_dir, config.seed, config.dtype)
         self.model_id = config.model if model_dir is None else model_dir.name

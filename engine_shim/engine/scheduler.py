@@ -8,7 +8,9 @@ recomputed later, or aborted if it is part of a disaggregated flow. Plain Python
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .block_manager import BlockManager, num_pages_for
@@ -37,10 +39,21 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, prefill_chunk_size: int):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        prefill_chunk_size: int,
+        prefill_hold_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        """`prefill_hold_s`: while sequences decode, a prompt waits up to this long for more
+        prompts to share its prefill step (see `_holds_prefill`)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.prefill_chunk_size = prefill_chunk_size
+        self.prefill_hold_s = prefill_hold_s
+        self._clock = clock
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order: the last is preempted first
         self.num_preemptions = 0
@@ -51,6 +64,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        seq.waiting_since_s = self._clock()
         self.waiting.append(seq)
 
     def add_running(self, seq: Sequence) -> None:
@@ -106,7 +120,30 @@ class Scheduler:
         out.scheduled.append(ScheduledSeq(seq, num_tokens))
         return budget - num_tokens if seq.num_pending_tokens > 1 else budget
 
+    def _holds_prefill(self, budget: int, out: SchedulerOutput) -> bool:
+        """Whether new prompts wait this step. A step that prefills beside decodes runs the
+        model eagerly (no CUDA graph: its shape is new), which costs the host several times a
+        decode step; when prompts arrive one or two a step, as they do from a network, most
+        steps would. Held up to `prefill_hold_s` from the oldest one's arrival, they share
+        one such step. Never held: when nothing decodes (an idle engine answers at once),
+        when this step prefills anyway, when a full chunk of prompt tokens waits, or for a
+        sequence whose KV came from elsewhere (one pending token: a decode)."""
+        if not self.prefill_hold_s or not out.scheduled or self.waiting[0].num_pending_tokens <= 1:
+            return False
+        if any(item.num_tokens > 1 for item in out.scheduled):
+            return False
+        if self._clock() - self.waiting[0].waiting_since_s >= self.prefill_hold_s:
+            return False
+        waiting_tokens = 0
+        for seq in self.waiting:
+            waiting_tokens += seq.num_pending_tokens
+            if waiting_tokens >= budget:
+                return False
+        return len(self.running) + len(self.waiting) < self.max_num_seqs
+
     def _admit_waiting(self, budget: int, out: SchedulerOutput) -> None:
+        if self.waiting and self._holds_prefill(budget, out):
+            return
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             acquired = self._match_prefix(seq)

@@ -37,6 +37,7 @@ class Sequence:
     cache_salt: str = ""  # the prefix-cache scope of its pages (SamplingParams.cache_salt)
     is_admitted_once: bool = False
     status: SeqStatus = SeqStatus.WAITING
+    waiting_since_s: float = 0.0  # when the scheduler queued it (its clock)
 
     @property
     def num_tokens(self) -> int:
