@@ -10,7 +10,6 @@ import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 from engine_shim.backend import BackendInfo, Reservation, SendResult
@@ -25,13 +24,13 @@ from engine_shim.engine.api import (
 )
 from engine_shim.engine.config import EngineConfig
 from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_codec import bytes_per_token, staged_chunk
+from engine_shim.kv_codec import bytes_per_token
 from engine_shim.kv_nixl import NixlPlane, load_nixl
 from engine_shim.kv_nixl_sender import WriteTimes, write_kv
 from engine_shim.kv_peers import PeerAllowList
 from engine_shim.kv_receiver import HoldListener, KVTransferServicer, ReceiveTable, check_layout
 from engine_shim.kv_sender import PeerChannels, push_kv
-from engine_shim.kv_shm import SegmentMaps, StagingPool, host_identity
+from engine_shim.kv_shm import SegmentMaps, StageWindow, StagingPool, host_identity
 from engine_shim.settings import ShimSettings, core_in_own_process
 
 if TYPE_CHECKING:
@@ -192,8 +191,9 @@ class EmbeddedBackend:
             return await self._write_nixl(request_id, token_ids, begin, end, addr, sampling)
         stage = self._stage(addr)
         # With a stage, the engine exports each chunk straight into its window of it.
-        export_into = (
-            None if stage is None else partial(staged_chunk, stage, addr.begin, layout=addr.layout)
+        export_into = None if stage is None or addr.shm is None else StageWindow(
+            addr.shm, (addr.end - addr.begin) * bytes_per_token(addr.layout), addr.begin,
+            addr.layout, stage,
         )
         started = time.perf_counter()
         chunks: AsyncIterator[KVChunk] = self.engine.remote_send(

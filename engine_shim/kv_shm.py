@@ -46,7 +46,9 @@ from pathlib import Path
 
 import torch
 
+from engine_shim.engine.api import KVLayout, UnavailableError
 from engine_shim.kv_addr import ShmOffer
+from engine_shim.kv_codec import staged_chunk
 
 logger = logging.getLogger(__name__)
 
@@ -264,3 +266,42 @@ def _checked_mapping(fd: int, offer: ShmOffer) -> mmap.mmap | None:
     if mapping[:_NONCE_BYTES] != offer.nonce.encode():
         return None  # another segment (a reused pid or descriptor number)
     return mapping
+
+
+# An engine core in a process of its own maps offered segments itself (StageWindow).
+_process_segments: SegmentMaps | None = None
+
+
+class StageWindow:
+    """Where a send's chunks go in a receiver's stage: `window(begin, num_tokens)` is the view
+    a chunk is exported into. It pickles without its mapping, so an engine core running in a
+    process of its own writes the stage directly (mapping the segment there, once) instead of
+    sending each chunk back through its pipe."""
+
+    def __init__(
+        self, offer: ShmOffer, num_kv_bytes: int, window_begin: int, layout: KVLayout,
+        stage: torch.Tensor | None = None,
+    ) -> None:
+        self.offer = offer
+        self.num_kv_bytes = num_kv_bytes
+        self.window_begin = window_begin
+        self.layout = layout
+        self._stage = stage  # this process's mapping, when it has one
+
+    def __call__(self, begin: int, num_tokens: int) -> torch.Tensor:
+        if self._stage is None:
+            self._stage = _map_here(self.offer, self.num_kv_bytes)
+        return staged_chunk(self._stage, self.window_begin, begin, num_tokens, layout=self.layout)
+
+    def __getstate__(self) -> dict[str, object]:
+        return {**self.__dict__, "_stage": None}
+
+
+def _map_here(offer: ShmOffer, num_kv_bytes: int) -> torch.Tensor:
+    global _process_segments
+    if _process_segments is None:
+        _process_segments = SegmentMaps(offer.host)
+    stage = _process_segments.open(offer, num_kv_bytes)
+    if stage is None:
+        raise UnavailableError("the receiver's shared-memory stage is gone")
+    return stage

@@ -364,9 +364,8 @@ class AsyncEngine:
             def export(i: int) -> asyncio.Future[KVChunk]:
                 chunk_begin, num_tokens = windows[i]
                 is_last = i == len(windows) - 1
-                out = None if export_into is None else export_into(chunk_begin, num_tokens)
                 return asyncio.ensure_future(
-                    self._export(request_id, chunk_begin, num_tokens, is_last, out)
+                    self._export(request_id, chunk_begin, num_tokens, is_last, export_into)
                 )
 
             # One chunk of lookahead: the engine copies chunk i+1 out of the pool while the
@@ -389,16 +388,18 @@ class AsyncEngine:
                 self._submit_nowait("abort", request_id)
 
     async def _export(
-        self, request_id: str, begin: int, num_tokens: int, is_last: bool, out: torch.Tensor | None
+        self, request_id: str, begin: int, num_tokens: int, is_last: bool,
+        export_into: Callable[[int, int], torch.Tensor] | None,
     ) -> KVChunk:
-        if not self._is_own_process or out is None:
+        if not self._is_own_process or export_into is None:
+            out = None if export_into is None else export_into(begin, num_tokens)
             chunk: KVChunk = await self._call("export_chunk", request_id, begin, num_tokens, is_last, out)
             return chunk
-        # A stage of this process is not the core's to write: the chunk comes back by handle
-        # and is copied into its window here.
-        chunk = await self._call("export_chunk", request_id, begin, num_tokens, is_last, None)
-        out.copy_(chunk.data)  # type: ignore[arg-type]  # a CPU tensor (api types it object)
-        return KVChunk(begin=chunk.begin, num_tokens=chunk.num_tokens, data=out)
+        # The core writes the window itself (export_into pickles: kv_shm.StageWindow); only
+        # the chunk's place comes back, not its bytes.
+        return await self._call(
+            "export_chunk", request_id, begin, num_tokens, is_last, None, export_into
+        )
 
     # ---- plumbing ----
     def _open_stream(self, streams: dict[str, Any], request_id: str) -> asyncio.Queue[Any]:

@@ -99,11 +99,18 @@ def export_chunk(
     num_tokens: int,
     is_last: bool,
     out: torch.Tensor | None,
+    export_into: Callable[[int, int], torch.Tensor] | None = None,
 ) -> KVChunk:
-    """One chunk of a send's KV; the send's pages are released after the last one."""
+    """One chunk of a send's KV; the send's pages are released after the last one.
+    `export_into` (a core in its own process): the chunk goes into the tensor it names, and
+    only its place comes back (data None), not its bytes."""
+    if export_into is not None:
+        out = export_into(begin, num_tokens)
     chunk = core.export_kv(request_id, begin, num_tokens, out)
     if is_last:
         core.finish_remote_send(request_id)
+    if export_into is not None:
+        return KVChunk(begin=chunk.begin, num_tokens=chunk.num_tokens, data=None)
     return chunk
 
 
