@@ -31,9 +31,8 @@ from engine_shim.kv_codec import (
     bytes_per_token,
     chunk_from_bytes,
     decode_chunk_request,
-    staged_chunk,
 )
-from engine_shim.kv_shm import StagingPool, StagingSegment
+from engine_shim.kv_shm import StagingPool, StagingSegment, staged_slice
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 if TYPE_CHECKING:
@@ -290,5 +289,6 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
                 "a KV chunk without bytes needs the reservation's shared-memory segment, "
                 "and it has none (not offered, or the reservation was closed)"
             )
-        view = staged_chunk(ticket.staging.data, ticket.begin, begin, num_tokens, layout)
-        return KVChunk(begin=begin, num_tokens=num_tokens, data=view)
+        # By reference: an engine core in its own process reads the stage itself.
+        staged = staged_slice(ticket.staging, ticket.begin, begin, num_tokens, layout)
+        return KVChunk(begin=begin, num_tokens=num_tokens, data=staged)

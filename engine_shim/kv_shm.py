@@ -35,6 +35,7 @@ the last reference unmaps.
 
 from __future__ import annotations
 
+import functools
 import logging
 import mmap
 import os
@@ -305,3 +306,31 @@ def _map_here(offer: ShmOffer, num_kv_bytes: int) -> torch.Tensor:
     if stage is None:
         raise UnavailableError("the receiver's shared-memory stage is gone")
     return stage
+
+
+class StagedSlice:
+    """A received chunk's KV by reference to its window of the receiver's own stage: calling
+    it gives the view. It pickles without the mapping, so an engine core in a process of its
+    own imports straight from the stage instead of the chunk's bytes crossing its pipe."""
+
+    def __init__(self, window: StageWindow, begin: int, num_tokens: int) -> None:
+        self.window = window
+        self.begin = begin
+        self.num_tokens = num_tokens
+
+    def __call__(self) -> torch.Tensor:
+        return self.window(self.begin, self.num_tokens)
+
+
+def staged_slice(segment: StagingSegment, window_begin: int, begin: int, num_tokens: int,
+                 layout: KVLayout) -> StagedSlice:
+    """[begin, begin + num_tokens) of a receiver's own stage, by reference."""
+    offer = segment.offer(_this_host())
+    window = StageWindow(offer, int(segment.data.numel()), window_begin, layout, segment.data)
+    staged_chunk(segment.data, window_begin, begin, num_tokens, layout)  # checks the bounds here
+    return StagedSlice(window, begin, num_tokens)
+
+
+@functools.cache
+def _this_host() -> str:
+    return host_identity() or ""

@@ -87,6 +87,12 @@ def core_facts(core: LLMEngine) -> CoreFacts:
 def run_op(core: LLMEngine, call: Call) -> object:
     if call.op == "export_chunk":
         return export_chunk(core, *call.args)
+    if call.op == "import_kv":
+        request_id, chunk = call.args
+        if callable(chunk.data):  # a window of a shared-memory stage, by reference
+            chunk = KVChunk(begin=chunk.begin, num_tokens=chunk.num_tokens, data=chunk.data())
+        core.import_kv(request_id, chunk)
+        return None
     if call.op not in OPS:
         raise EngineError(f"unknown engine op {call.op!r}")
     return getattr(core, call.op)(*call.args)
