@@ -104,8 +104,13 @@ async def run(
               "--reservation-ttl-s", "3600", "--device", device, "--dtype", dtype]
     group = ServiceGroup(Path(tempfile.mkdtemp(prefix="kv_bench_")))
     try:
-        p = group.start("prefill", ["shim", "--role", "prefill", *common, "--log-level", "INFO"])
+        # The engine core in each shim's own process: there NIXL registers the pool itself
+        # (a pool shared from a core process over CUDA IPC is not NIXL's to register).
+        common += ["--engine-process", "off"]
         d = group.start("decode", ["shim", "--role", "decode", *common, "--log-level", "WARNING"])
+        # P pushes only to peers it knows (issue 17): D, named up front.
+        p = group.start("prefill", ["shim", "--role", "prefill", *common, "--log-level", "INFO",
+                                    "--kv-peers", d.address])
         counted = tuple(dict.fromkeys([*paths, "grpc"]))  # the cold runs go over gRPC
         num_sent: dict[str, int] = {path: 0 for path in counted}
         rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent)

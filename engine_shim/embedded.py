@@ -111,7 +111,10 @@ class EmbeddedBackend:
         )
         await engine.start()
         self._engine = engine
-        self._nixl = _start_nixl(self._settings.kv_transport, engine.kv_pool, self._settings.host)
+        self._nixl = _start_nixl(
+            self._settings.kv_transport, engine.kv_pool, self._settings.host,
+            pool_is_mapped=engine.engine_pid is not None,
+        )
         self._info = BackendInfo(
             name=self._name,
             model_id=engine.model_id,
@@ -302,10 +305,23 @@ class EmbeddedBackend:
         return await self.engine.wait_lost()
 
 
-def _start_nixl(transport: str, pool: torch.Tensor | None, host: str) -> NixlPlane | None:
+def _start_nixl(
+    transport: str, pool: torch.Tensor | None, host: str, pool_is_mapped: bool = False
+) -> NixlPlane | None:
     """The shim's NIXL agent with the pool registered, where the transport setting wants one
-    and NIXL loads; `nixl` insists (a clear start-up error), `auto` falls back with a log."""
+    and NIXL loads; `nixl` insists (a clear start-up error), `auto` falls back with a log.
+    `pool_is_mapped`: the pool lives in an engine core process and is mapped here."""
     if transport not in ("auto", "nixl") or pool is None:
+        return None
+    if pool_is_mapped and pool.is_cuda:
+        # Measured on an H200 (nixl-cu13 1.5.1): a pool this process holds through CUDA IPC
+        # registers, but every write into a peer's fails NIXL_ERR_NOT_FOUND at
+        # initialize_xfer. Host memory shared from the core process works (CPU tests).
+        reason = ("the KV pool lives in the engine core process (--engine-process on) and "
+                  "NIXL cannot write a CUDA IPC mapping of it; use --engine-process off for NIXL")
+        if transport == "nixl":
+            raise RuntimeError(f"--kv-transport nixl: {reason}")
+        logger.info("KV transport: no NIXL (%s); shared memory or gRPC", reason)
         return None
     if _is_loopback(host):
         # UCX listens on every network device it finds; a shim bound to loopback keeps its

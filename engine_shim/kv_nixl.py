@@ -212,7 +212,10 @@ class NixlPlane:
         agent = self._agent
         local_descs = agent.get_xfer_descs(descriptors(self.region, local_starts, lengths), self.mem_type)
         remote_descs = agent.get_xfer_descs(descriptors(remote, remote_starts, lengths), offer.mem_type)
-        handle = agent.initialize_xfer("WRITE", local_descs, remote_descs, offer.agent, tag)
+        try:
+            handle = agent.initialize_xfer("WRITE", local_descs, remote_descs, offer.agent, tag)
+        except Exception as error:  # noqa: BLE001 - NIXL raises its own error types
+            raise UnavailableError(f"NIXL could not set up a write to agent {offer.agent}: {error}") from None
         try:
             state = agent.transfer(handle)
             poller = _Poller()
