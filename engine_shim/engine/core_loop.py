@@ -89,7 +89,7 @@ def run_op(core: LLMEngine, call: Call) -> object:
         return export_chunk(core, *call.args)
     if call.op == "import_kv":
         request_id, chunk = call.args
-        if callable(chunk.data):  # a window of a shared-memory stage, by reference
+        if callable(getattr(chunk, "data", None)):  # a window of a stage, by reference
             chunk = KVChunk(begin=chunk.begin, num_tokens=chunk.num_tokens, data=chunk.data())
         core.import_kv(request_id, chunk)
         return None
