@@ -70,6 +70,14 @@ def test_the_embedded_engine_imports_no_grpc_even_indirectly() -> None:
     assert generated_stubs == []
 
 
+def test_the_scheduler_and_page_pool_are_plain_python() -> None:
+    # Their unit tests (tests/engine/test_scheduler.py, test_block_manager.py) need no model.
+    pure = [f"engine_shim.engine.{name}" for name in ("scheduler", "block_manager", "prefix_cache", "sequence")]
+    external = external_imports(MODULES)
+    heavy = sorted(f"{m} imports {n}" for m in reachable(GRAPH, pure) for n in external[m] if n in {"torch", "triton"})
+    assert heavy == []
+
+
 @pytest.mark.parametrize("package", ["microserving", "gateway", "engine_shim.engine"])
 def test_no_import_cycle_inside(package: str) -> None:
     assert [sorted(c) for c in cycles(GRAPH, package)] == []
