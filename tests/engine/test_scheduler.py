@@ -85,13 +85,17 @@ def test_a_waiting_prompt_stays_queued_with_no_pages_held_until_pages_free_up() 
     assert computed(scheduler, scheduler.schedule()) == {2: 8}
 
 
+def run_and_finish(scheduler: Scheduler, seq: Sequence) -> None:
+    """Prefill `seq` alone, then end it: its computed full pages go to the prefix cache."""
+    scheduler.add(seq)
+    computed(scheduler, scheduler.schedule())
+    scheduler.remove(seq)
+    scheduler.release(seq)
+
+
 def test_a_cached_prefix_is_not_computed_again() -> None:
     scheduler = make_scheduler(num_pages=16, prefix_cache=True)
-    first = new_seq(1, 10)
-    scheduler.add(first)
-    computed(scheduler, scheduler.schedule())
-    scheduler.remove(first)
-    scheduler.release(first)  # its 2 full pages go to the prefix cache
+    run_and_finish(scheduler, new_seq(1, 10))  # 2 full pages cached
     again = new_seq(2, 10)
     scheduler.add(again)
     assert computed(scheduler, scheduler.schedule()) == {2: 2}  # 8 of 10 from the cache
@@ -100,11 +104,7 @@ def test_a_cached_prefix_is_not_computed_again() -> None:
 
 def test_a_send_job_whose_window_is_all_cached_is_ready_without_compute() -> None:
     scheduler = make_scheduler(num_pages=16, prefix_cache=True)
-    first = new_seq(1, 8)
-    scheduler.add(first)
-    computed(scheduler, scheduler.schedule())
-    scheduler.remove(first)
-    scheduler.release(first)
+    run_and_finish(scheduler, new_seq(1, 8))
     send = new_seq(2, 8, kind=SeqKind.SEND)
     scheduler.add(send)
     out = scheduler.schedule()
