@@ -31,8 +31,9 @@ from bench.control_plane_run import (
 )
 from bench.loadgen.results import machine_info
 from bench.loadgen.stats import describe
-from bench.procs import Service, ServiceGroup, service_group
+from bench.procs import ServiceGroup, service_group
 from bench.stream_clients import DirectFlow, run_direct, run_router
+from microserving.stack.process import ServiceProcess
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2_grpc, router_pb2_grpc
 
@@ -80,7 +81,7 @@ def _router_args(pattern: str, engines: list[str], model: str) -> list[str]:
 
 
 async def _start_stack(group: ServiceGroup, config: ControlPlaneConfig, pattern: str,
-                       engines: list[str]) -> tuple[Service, Service]:
+                       engines: list[str]) -> tuple[ServiceProcess, ServiceProcess]:
     router = group.start(f"router-{pattern}", _router_args(pattern, engines, config.model))
     await wait_grpc_serving(router.address, config.startup_timeout_s)
     gateway = group.start(f"gateway-{pattern}", ["gateway", "--router", router.address,
@@ -94,7 +95,7 @@ async def measure_pattern(group: ServiceGroup, config: ControlPlaneConfig, patte
                           engines: list[str], failures: list[str]) -> list[dict[str, Any]]:
     """Cells of one pattern; when its router or gateway fails to start, the direct depth is
     still measured and the failure is recorded."""
-    stack: tuple[Service, Service] | None = None
+    stack: tuple[ServiceProcess, ServiceProcess] | None = None
     try:
         stack = await _start_stack(group, config, pattern, engines)
     except (RuntimeError, TimeoutError) as exc:

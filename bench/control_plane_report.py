@@ -84,7 +84,8 @@ def _fmt(value: float | None, spec: str) -> str:
 def markdown(result: dict[str, Any]) -> str:
     lines = [
         "| pattern | streams | TTFT p50 direct (ms) | router (ms) | gateway (ms) | router added "
-        "(ms) | added RTTs / engine call (goal < 1.5) | direct tok/s | router relay (goal >= 0.9) "
+        f"(ms) | added RTTs / engine call (goal < {MAX_ADDED_RTTS_PER_CALL}) | direct tok/s | "
+        f"router relay (goal >= {MIN_RELAY_RATIO}) "
         "| gateway relay | errors |",
         "|" + "---|" * 11,
     ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 from grpc import aio
 
+from microserving.stack.process import free_port
 from microserving.transport import TransportSettings, add_port, create_channel, create_server
 from microserving.v1 import common_pb2, router_pb2, router_pb2_grpc
 
@@ -216,12 +216,6 @@ async def run_cell(target: str, concurrency: int,
     total = sum(r.num_tokens for r in results)
     return CellResult(target, concurrency, 1000 * statistics.median(ttfts), 1000 * p99,
                       total / elapsed_s, total)
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_http(session: aiohttp.ClientSession, url: str, timeout_s: float = 60) -> None:

@@ -83,9 +83,8 @@ async def _transfer(
     return int(sent.num_bytes_sent), elapsed
 
 
-def _paths_logged(p_log: Path, paths: tuple[str, ...]) -> dict[str, int]:
+def _paths_logged(text: str, paths: tuple[str, ...]) -> dict[str, int]:
     """RemoteSends P logged per path (proof that no run fell back to another path)."""
-    text = p_log.read_text(encoding="utf-8") if p_log.exists() else ""
     return {path: len(re.findall(rf"path={path}\b", text)) for path in paths}
 
 
@@ -115,7 +114,7 @@ async def run(
         num_sent: dict[str, int] = {path: 0 for path in counted}
         rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent)
         await asyncio.sleep(0.5)  # P's log reaches its file through a pipe and a thread
-        logged = _paths_logged(p.log_path, counted)
+        logged = _paths_logged(p.output(), counted)
         if logged != num_sent:
             raise RuntimeError(f"P logged RemoteSends by path {logged}, expected {num_sent}")
         return rows

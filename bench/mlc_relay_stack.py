@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from bench.capacity.stack import Stack, StackProcess, engine_tid
 from bench.control_plane_run import wait_grpc_serving, wait_http_ready
 from bench.mlc_relay_load import DisaggEngines
-from bench.procs import Service, ServiceGroup
+from bench.procs import ServiceGroup
+from microserving.stack.process import ServiceProcess
 
 # Engines in --engine order, so the decode engine's device id start (recv_rank) is 1 in disagg.
 ROLES = {"round-robin": ("both",), "disagg": ("prefill", "decode")}
@@ -61,7 +62,7 @@ def _engine_args(step_ms: str, prefill_tok_s: float, max_num_seqs: int,
     return args + ([] if peer is None else ["--peer", peer])
 
 
-async def _start_engine(group: ServiceGroup, name: str, args: list[str]) -> tuple[Service, str]:
+async def _start_engine(group: ServiceGroup, name: str, args: list[str]) -> tuple[ServiceProcess, str]:
     service = await asyncio.to_thread(group.start, name, args)
     url = f"http://{service.address}"
     await wait_http_ready(f"{url}/v1/models", _STARTUP_TIMEOUT_S)

@@ -6,13 +6,9 @@ from gateway.errors import INVALID, GatewayError
 from gateway.protocol.base import INT32_MAX, PatternHintsParam, SamplingFields
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completion import CompletionRequest
+from microserving.pattern_names import PATTERN_BY_NAME
 from microserving.v1 import common_pb2, router_pb2
 
-_PATTERNS: dict[str, router_pb2.Pattern.ValueType] = {
-    "round-robin": router_pb2.PATTERN_ROUND_ROBIN,
-    "disagg": router_pb2.PATTERN_DISAGG,
-    "adaptive-disagg": router_pb2.PATTERN_ADAPTIVE_DISAGG,
-}
 _FINISH_REASONS: dict[int, str] = {
     common_pb2.FINISH_REASON_STOP: "stop",
     common_pb2.FINISH_REASON_LENGTH: "length",
@@ -46,7 +42,7 @@ def _hints(hints: PatternHintsParam | None) -> router_pb2.PatternHints | None:
     if hints is None:
         return None
     message = router_pb2.PatternHints(
-        pattern=_PATTERNS.get(hints.pattern or "", router_pb2.PATTERN_UNSPECIFIED))
+        pattern=PATTERN_BY_NAME[hints.pattern] if hints.pattern else router_pb2.PATTERN_UNSPECIFIED)
     if hints.pd_balance_factor is not None:
         message.pd_balance_factor = hints.pd_balance_factor
     if hints.cache_aware is not None:

@@ -16,7 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "mlc-compat": ("engine_shim.mlc_compat.cli", "serve the embedded engine over MLC's HTTP wire format"),
     "router": ("router.cli", "run the gRPC router"),
     "gateway": ("gateway.cli", "run the OpenAI HTTP gateway"),
-    "up": ("gateway.up", "start a whole local stack: shims, router and gateway"),
+    "up": ("microserving.stack.up", "start a whole local stack: shims, router and gateway"),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server"),
 }
 

@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from microserving.stack.process import free_port
 from router.router import Router
 from router.server import start_router
 
@@ -29,12 +29,6 @@ _POLL_S = 0.25  # start-up of other processes: nothing to await but their health
 
 class _Stopped(Exception):
     """Ctrl-C / SIGTERM arrived while starting."""
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _shim_command(
@@ -123,7 +117,7 @@ async def _serve(launch: _Launch, router: Router, router_host: str, router_port:
     for sig in (signal.SIGINT, signal.SIGTERM):
         with contextlib.suppress(NotImplementedError):
             loop.add_signal_handler(sig, launch.stop.set)
-    running = await start_router(router, router_host, _free_port(router_host))
+    running = await start_router(router, router_host, free_port(router_host))
     try:
         await launch.engines_ready(router)
         gateway = start_process([

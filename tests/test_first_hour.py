@@ -13,8 +13,8 @@ import bench.cli
 import engine_shim.cli
 import engine_shim.mlc_compat.cli
 import gateway.cli
-import gateway.up
 import microserving.cli
+import microserving.stack.up
 import router.cli
 from bench.loadgen.benchmark import ServedModel, fit_workload
 from bench.loadgen.workload import WorkloadConfig
@@ -24,7 +24,7 @@ from microserving.tokenizer import PRESET_NAMES
 PARSERS = {
     "shim": engine_shim.cli._parser, "mlc-compat": engine_shim.mlc_compat.cli._parser,
     "router": router.cli.build_parser, "gateway": gateway.cli.build_parser,
-    "up": gateway.up.build_parser, "bench": bench.cli.build_parser,
+    "up": microserving.stack.up.build_parser, "bench": bench.cli.build_parser,
 }
 
 
@@ -48,18 +48,18 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_round_robin_without_engines_starts_engines_that_both_serve() -> None:
-    plan = gateway.up.plan_from_args(["--pattern", "round-robin"])
+    plan = microserving.stack.up.plan_from_args(["--pattern", "round-robin"])
     assert plan.pattern == "round-robin" and plan.roles == ("both", "both")
     with pytest.raises(SystemExit):
-        gateway.up.plan_from_args(["--pattern", "round-robin", "--prefill", "1"])
+        microserving.stack.up.plan_from_args(["--pattern", "round-robin", "--prefill", "1"])
 
 
 def test_up_hands_router_class_and_prefix_cache_to_its_children() -> None:
-    plan = gateway.up.plan_from_args(["--router-class", "my_router:MyRouter",
+    plan = microserving.stack.up.plan_from_args(["--router-class", "my_router:MyRouter",
                                       "--enable-prefix-cache", "false"])
-    router_argv = gateway.up.router_command(plan, [("127.0.0.1:1", "prefill")])
+    router_argv = microserving.stack.up.router_command(plan, [("127.0.0.1:1", "prefill")])
     assert router_argv[-2:] == ["--router-class", "my_router:MyRouter"]
-    assert gateway.up.shim_command(plan, "decode")[-2:] == ["--enable-prefix-cache", "false"]
+    assert microserving.stack.up.shim_command(plan, "decode")[-2:] == ["--enable-prefix-cache", "false"]
 
 
 def test_a_taken_gateway_port_fails_before_any_engine_starts() -> None:
@@ -67,9 +67,9 @@ def test_a_taken_gateway_port_fails_before_any_engine_starts() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        plan = gateway.up.plan_from_args(["--port", str(port), "--router-port", "0"])
-        stack = gateway.up.Stack(plan)
-        with pytest.raises(gateway.up.StartupFailed, match=f"127.0.0.1:{port} \\(--port\\)"):
+        plan = microserving.stack.up.plan_from_args(["--port", str(port), "--router-port", "0"])
+        stack = microserving.stack.up.Stack(plan)
+        with pytest.raises(microserving.stack.up.StartupFailed, match=f"127.0.0.1:{port} \\(--port\\)"):
             stack.start()
     assert stack.children == []  # nothing was spawned
 

@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 from bench.capacity.cpu import group_cpu_s, thread_cpu_s
 from bench.control_plane_run import wait_grpc_serving, wait_http_ready
-from bench.procs import Service, ServiceGroup
+from bench.procs import ServiceGroup
+from microserving.stack.process import ServiceProcess
 
 # Printed by the synthetic backend once its engine thread runs (engine_shim/synthetic/backend.py).
 _ENGINE_THREAD = re.compile(r"engine thread native id (\d+)")
@@ -36,7 +37,7 @@ class StackOptions:
 @dataclass
 class StackProcess:
     name: str  # gateway | router | shim-<role>
-    service: Service
+    service: ServiceProcess
     engine_tid: int | None = None  # shims only
 
     def cpu_s(self) -> tuple[float, float]:
@@ -67,8 +68,8 @@ def _shim_args(role: str, options: StackOptions) -> list[str]:
     return [*args, *options.shim_args]
 
 
-def engine_tid(service: Service) -> int:
-    for line in service.log_path.read_text(encoding="utf-8").splitlines():
+def engine_tid(service: ServiceProcess) -> int:
+    for line in service.output().splitlines():
         if match := _ENGINE_THREAD.search(line):
             return int(match.group(1))
     raise RuntimeError(f"{service.name} did not print its engine thread id ({service.log_path})")

@@ -50,11 +50,6 @@ def record_to_json(record: RequestRecord) -> dict[str, Any]:
     return data
 
 
-def record_from_json(data: dict[str, Any]) -> RequestRecord:
-    fields = RequestRecord.__dataclass_fields__
-    return RequestRecord(**{k: v for k, v in data.items() if k in fields})
-
-
 def write_results(out_dir: Path, result: dict[str, Any]) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / RESULTS_FILE

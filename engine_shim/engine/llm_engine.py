@@ -1,7 +1,8 @@
 """The synchronous engine core: add_request / step / abort and start_generate, over paged
-KV with continuous batching. MicroServing's receive and send half (prep_recv, import_kv,
-remote_send, export_kv) lives in disaggregation.py and is mixed in. Not thread-safe: one
-caller (the async adapter's engine thread, or a test) drives it.
+KV with continuous batching, and MicroServing's receive and send calls (prep_recv,
+import_kv, remote_send, export_kv), whose reservations and send jobs a `Disaggregation`
+(disaggregation.py) holds. Not thread-safe: one caller (the async adapter's engine thread,
+or a test) drives it.
 
 Every public call validates its input and raises a domain error (api.py) before it changes
 any state, so a bad call never harms other requests.
@@ -10,6 +11,7 @@ any state, so a bad call never harms other requests.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,11 +24,12 @@ from . import validation
 from .api import (
     AlreadyExistsError,
     EngineStatus,
-    FailedPreconditionError,
     FinishReason,
     GenerateOutput,
+    KVChunk,
     KVLayout,
     PreemptedError,
+    PrepRecvResult,
     RequestAbortedError,
     ResourceExhaustedError,
     SamplingParams,
@@ -34,15 +37,7 @@ from .api import (
 from .block_manager import BlockManager, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
 from .cuda_graphs import Feed
-from .disaggregation import (
-    DisaggregationOps,
-    EngineEvent,
-    Fence,
-    Reservation,
-    SendFailed,
-    SendJob,
-    SendReady,
-)
+from .disaggregation import Disaggregation, EngineEvent, SendFailed, SendReady
 from .kv_cache import KVCache
 from .model_runner import ModelRunner, RunResult
 from .request import (
@@ -51,10 +46,12 @@ from .request import (
     add_token,
     feed_deferred_text,
     finish_choice,
+    fork_sequence,
+    new_choice,
     take_delta,
 )
-from .sampler import SampledToken, choice_seed, is_plain_greedy, sample
-from .scheduler import ScheduledSeq, Scheduler
+from .sampler import SampledToken, is_plain_greedy, sample
+from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import SeqKind, SeqStatus, Sequence
 from .weights import DTYPES, build_model, model_fingerprint
 
@@ -70,9 +67,9 @@ class _Launched:
     chained: bool = False
 
 
-class LLMEngine(DisaggregationOps):
-    """The synchronous engine: generation here, the MicroServing send/receive half in
-    DisaggregationOps (disaggregation.py)."""
+class LLMEngine:
+    """The synchronous engine: generation, stepping and abort, and the MicroServing calls
+    over its `disaggregation` state."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -99,10 +96,8 @@ class LLMEngine(DisaggregationOps):
             config.max_context_length or self.model_config.max_position_embeddings,
             self.model_config.max_position_embeddings,
         )
+        self.disaggregation = Disaggregation(config, self.block_manager, self.kv_cache, self.kv_layout)
         self._requests: dict[str, GenerateRequest] = {}
-        self._sends: dict[str, SendJob] = {}
-        self._reservations: dict[str, Reservation] = {}
-        self._fences: list[Fence] = []
         self._events: list[EngineEvent] = []
         # Step pipelining (EngineConfig.overlap_steps): the batch whose forward is running on
         # the device, and the requests whose text waits to be decoded while it runs.
@@ -141,11 +136,12 @@ class LLMEngine(DisaggregationOps):
         )
 
     def is_active(self, request_id: str) -> bool:
-        return (
-            request_id in self._requests
-            or request_id in self._sends
-            or request_id in self._reservations
-        )
+        return request_id in self._requests or self.disaggregation.is_active(request_id)
+
+    def _is_generating_or_sending(self, request_id: str) -> bool:
+        # A reservation of the same id is the one start_generate continues (or, on one
+        # engine, the receive half of a flow whose send half is remote_send).
+        return request_id in self._requests or request_id in self.disaggregation.sends
 
     def _pages_from_budget(self) -> int:
         per_page = KVCache.bytes_per_token(self.model_config, DTYPES[self.config.dtype]) * self.page_size
@@ -167,20 +163,13 @@ class LLMEngine(DisaggregationOps):
         max_tokens = validation.check_sampling(
             sampling, self.vocab_size, self.max_context_length, len(ids)
         )
-        if request_id in self._requests or request_id in self._sends:
+        if self._is_generating_or_sending(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self._check_fits_pool(len(ids) + 1)
-        reservation = self._reservations.get(request_id)
-        if reservation is None and b != 0:
-            raise FailedPreconditionError(
-                f"start_generate without prep_recv: begin={b} needs KV that this engine lacks"
-            )
-        if reservation is not None:
-            self._check_reservation_covers(reservation, ids, b)
+        reservation = self.disaggregation.take_reservation(request_id, ids, b)
         seq = self._new_seq(request_id, ids, len(ids), SeqKind.GENERATE)
         seq.cache_salt = sampling.cache_salt
         if reservation is not None:
-            del self._reservations[request_id]
             seq.block_table = reservation.block_table
             # KV below max(begin, matched) is present; recomputing cached pages would write
             # into pages other sequences share.
@@ -212,16 +201,107 @@ class LLMEngine(DisaggregationOps):
                     self._drop_seq(choice.seq)
                     finish_choice(choice, FinishReason.ABORT)
             self._events.append(self._output(request, finished=True))
-        job = self._sends.pop(request_id, None)
+        job = self.disaggregation.pop_send(request_id)
         if job is not None:
             found = True
             self._drop_seq(job.seq)
             self._events.append(SendFailed(request_id, RequestAbortedError(f"{request_id!r} aborted")))
-        reservation = self._reservations.pop(request_id, None)
-        if reservation is not None:
-            found = True
-            self._release_reservation(reservation)
-        return found
+        return self.disaggregation.release_reservation(request_id) or found
+
+    # ---- MicroServing: receiving (prep_recv, KV in, then start_generate) ----
+    def prep_recv(
+        self,
+        request_id: str,
+        token_ids: SequenceT[int],
+        end: int,
+        sampling: SamplingParams | None = None,
+    ) -> PrepRecvResult:
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        e = validation.check_prep_recv_end(end, len(ids))
+        if sampling is not None:
+            validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
+        if self.is_active(request_id):
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(len(ids) + 1)
+        return self.disaggregation.reserve(request_id, ids, e, sampling.cache_salt if sampling else "")
+
+    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+        self.disaggregation.import_kv(request_id, chunk)
+
+    def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        """A peer is about to write [matched, end) of the reservation straight into its pages
+        (a one-sided transfer-engine write) and writes nothing after `write_ends_at`
+        (monotonic). Until finish_kv_write, an abort or expiry fences the pages until then
+        instead of freeing them."""
+        self.disaggregation.begin_kv_write(request_id, write_ends_at)
+
+    def finish_kv_write(self, request_id: str) -> None:
+        """The peer's write landed (its notification arrived): [matched, end) is imported."""
+        self.disaggregation.finish_kv_write(request_id)
+
+    def hold_reservation(self, request_id: str, is_held: bool) -> None:
+        """A KV push into the reservation has begun (held: it does not expire while the
+        sender computes and streams, however long the sender's queue) or has ended (its
+        TTL starts again, now, for the start_generate that should follow)."""
+        self.disaggregation.hold_reservation(request_id, is_held)
+
+    def next_deadline(self) -> float | None:
+        """Monotonic time of the earliest finite reservation expiry (a held one has none) or
+        fence end (the async loop sleeps until it)."""
+        return self.disaggregation.next_deadline()
+
+    def release_fences(self, now: float | None = None) -> None:
+        self.disaggregation.release_fences(time.monotonic() if now is None else now)
+
+    def reap_expired_reservations(self, now: float | None = None) -> list[str]:
+        now = time.monotonic() if now is None else now
+        self.disaggregation.release_fences(now)
+        expired = self.disaggregation.expired_reservations(now)
+        for request_id in expired:
+            logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)
+            self.abort(request_id)
+        return expired
+
+    # ---- MicroServing: sending (remote_send, then export) ----
+    def remote_send(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = ""
+    ) -> None:
+        """Start computing KV of prompt[:end]; a SendReady event says [begin, end) can be
+        exported with export_kv; release it with abort() once exported."""
+        request_id = validation.check_request_id(request_id)
+        ids = validation.check_token_ids(token_ids, self.vocab_size)
+        b, e = validation.check_remote_send_window(begin, end, len(ids))
+        if self._is_generating_or_sending(request_id):
+            raise AlreadyExistsError(f"request {request_id!r} is already active")
+        self._check_fits_pool(e)
+        seq = self._new_seq(request_id, ids[:e], e, SeqKind.SEND)
+        seq.is_disaggregated = True
+        seq.cache_salt = validation.check_cache_salt(cache_salt)
+        self.disaggregation.add_send(seq, b, e)
+        self.scheduler.add(seq)
+
+    def export_windows(self, request_id: str) -> list[tuple[int, int]]:
+        """(begin, num_tokens) chunks that cover a ready job's [begin, end)."""
+        return self.disaggregation.export_windows(request_id)
+
+    def export_kv(
+        self, request_id: str, begin: int, num_tokens: int, out: torch.Tensor | None = None
+    ) -> KVChunk:
+        """KV of [begin, begin + num_tokens): a new CPU tensor, or written into `out` (of the
+        chunk's shape and the pool's dtype, on any device)."""
+        return self.disaggregation.export_kv(request_id, begin, num_tokens, out)
+
+    def send_slots(self, request_id: str) -> list[int]:
+        """Slots of a ready job's [begin, end) in the pool, with the device's work on them
+        finished: a transfer engine may read them from here until finish_remote_send."""
+        return self.disaggregation.send_slots(request_id)
+
+    def finish_remote_send(self, request_id: str) -> None:
+        """Release a job after its KV went out: its computed pages go to the prefix cache."""
+        job = self.disaggregation.pop_send(request_id)
+        if job is not None:
+            self._drop_seq(job.seq)
 
     # ---- the step ----
     def step(self) -> list[EngineEvent]:
@@ -231,17 +311,37 @@ class LLMEngine(DisaggregationOps):
         returned one call later than without (the order of each request's events is the
         same)."""
         self.reap_expired_reservations()
-        if self._in_flight is not None:
-            previous, self._in_flight = self._in_flight, None
-            chained = self._launch_chained(previous) if self.overlap_steps and self.chain_decode else None
-            self._collect(previous)
-            if chained is not None:
-                self._settle_chained(chained)
-                self._in_flight = chained
-                self._finish_deferred_text()  # runs while the device computes the chained step
-                events, self._events = self._events, []
-                return events
+        if self._in_flight is not None and self._collect_in_flight():
+            return self._take_events()  # a chained step is running: nothing to schedule
         out = self.scheduler.schedule()
+        self._end_unscheduled(out)
+        # Choices of a preempted n > 1 request ended with it, scheduled or not.
+        batch = [item for item in out.scheduled if not item.seq.is_finished]
+        launched = self._launch(batch) if batch else None
+        self._finish_launch(launched)
+        return self._take_events()
+
+    def _take_events(self) -> list[EngineEvent]:
+        events, self._events = self._events, []
+        return events
+
+    def _collect_in_flight(self) -> bool:
+        """Collect the forward the previous step launched, first launching the decode step
+        that follows it when it can chain; True if that chained step is now in flight."""
+        previous, self._in_flight = self._in_flight, None
+        assert previous is not None  # step() checked
+        chained = self._launch_chained(previous) if self.overlap_steps and self.chain_decode else None
+        self._collect(previous)
+        if chained is None:
+            return False
+        self._settle_chained(chained)
+        self._in_flight = chained
+        self._finish_deferred_text()  # runs while the device computes the chained step
+        return True
+
+    def _end_unscheduled(self, out: SchedulerOutput) -> None:
+        """Sequences the schedule ended or parked: preempted flows, cache-ready send jobs,
+        sequences the pool cannot hold."""
         if out.preempted_aborted or out.out_of_pages:
             self._finish_deferred_text()  # their finishing events come after earlier deltas
         for seq in out.preempted_aborted:
@@ -250,14 +350,15 @@ class LLMEngine(DisaggregationOps):
             self._on_send_ready(seq)
         for seq in out.out_of_pages:
             self._on_out_of_pages(seq)
-        launched = self._launch(out.scheduled) if out.scheduled else None
+
+    def _finish_launch(self, launched: _Launched | None) -> None:
+        """Leave the launched forward in flight (overlap_steps) or collect it now; deferred
+        text is decoded in between, while the device computes."""
         if launched is not None and self.overlap_steps:
             self._in_flight = launched
-        self._finish_deferred_text()  # runs while the device computes the launched forward
+        self._finish_deferred_text()
         if launched is not None and not self.overlap_steps:
             self._collect(launched)
-        events, self._events = self._events, []
-        return events
 
     def _launch(self, batch: list[ScheduledSeq]) -> _Launched:
         needs_logits = [
@@ -310,8 +411,7 @@ class LLMEngine(DisaggregationOps):
         return _Launched(batch, result, chained=True)
 
     def _chains(self, request: GenerateRequest) -> bool:
-        sampling = request.sampling
-        return sampling.n == 1 and not sampling.stop and is_plain_greedy(sampling)
+        return request.can_defer_text and is_plain_greedy(request.sampling)
 
     def _settle_chained(self, launched: _Launched) -> None:
         # The feeding step's tokens are appended now; the chained positions hold their KV.
@@ -347,9 +447,7 @@ class LLMEngine(DisaggregationOps):
                 self._emit(request)
 
     def _defers_text(self, request: GenerateRequest) -> bool:
-        # Stop strings end a choice by its text, which must be known before the next
-        # schedule; n > 1 forks choices on their first token.
-        return self.overlap_steps and not request.sampling.stop and request.sampling.n == 1
+        return self.overlap_steps and request.can_defer_text
 
     def _finish_deferred_text(self) -> None:
         deferred, self._deferred = self._deferred, {}
@@ -359,44 +457,38 @@ class LLMEngine(DisaggregationOps):
             self._emit(request)
 
     def _choices_sampling_now(self, request: GenerateRequest, seq: Sequence) -> list[Choice]:
-        choice = request.choices[seq.choice_index]
-        if request.is_forked or request.sampling.n == 1:
-            request.is_forked = True
-            return [choice]
-        request.is_forked = True
-        return [choice, *self._fork(request, choice)]
+        parent = request.choices[seq.choice_index]
+        return [parent, *(self._fork(request, parent, i) for i in request.take_fork_indices())]
 
-    def _fork(self, request: GenerateRequest, parent: Choice) -> list[Choice]:
-        """n > 1: the other choices share the parent's full prompt pages (ref counted) and get
-        a copy of its partial last page; each then samples from the same logits."""
-        children: list[Choice] = []
-        seq = parent.seq
-        num_full = seq.num_computed_tokens // self.page_size
-        for index in range(1, request.sampling.n):
-            child = self._new_seq(request.request_id, list(seq.token_ids), seq.num_prompt_tokens, SeqKind.GENERATE)
-            child.choice_index, child.num_cached_tokens = index, seq.num_cached_tokens
-            child.num_transferred_tokens, child.cache_salt = seq.num_transferred_tokens, seq.cache_salt
-            child.is_disaggregated = seq.is_disaggregated
-            has_partial = seq.num_computed_tokens % self.page_size != 0
-            if self.block_manager.can_allocate(int(has_partial)):
-                shared = seq.block_table[:num_full]
-                self.block_manager.share(shared)
-                child.block_table = list(shared)
-                if has_partial:
-                    child.block_table += self.block_manager.allocate(1)
-                    begin = num_full * self.page_size
-                    self.kv_cache.copy_slots(
-                        slots_for_positions(seq.block_table, self.page_size, begin, seq.num_computed_tokens),
-                        slots_for_positions(child.block_table, self.page_size, begin, seq.num_computed_tokens),
-                    )
-                child.num_computed_tokens = seq.num_computed_tokens
-                self.scheduler.add_running(child)
-            else:
-                self.scheduler.add(child)  # no page for the copy: recompute the prompt later
-            choice = self._new_choice(index, child, request.sampling)
-            request.choices.append(choice)
-            children.append(choice)
-        return children
+    def _fork(self, request: GenerateRequest, parent: Choice, index: int) -> Choice:
+        child = fork_sequence(parent.seq, self._next_seq_id_now(), index)
+        if self._share_pages(parent.seq, child):
+            self.scheduler.add_running(child)
+        else:
+            self.scheduler.add(child)  # no page for the copy: recompute the prompt later
+        choice = self._new_choice(index, child, request.sampling)
+        request.choices.append(choice)
+        return choice
+
+    def _share_pages(self, parent: Sequence, child: Sequence) -> bool:
+        """The child shares the parent's full prompt pages (ref counted) and gets a copy of
+        its partial last page; False if no page is free for that copy."""
+        num_full = parent.num_computed_tokens // self.page_size
+        has_partial = parent.num_computed_tokens % self.page_size != 0
+        if not self.block_manager.can_allocate(int(has_partial)):
+            return False
+        shared = parent.block_table[:num_full]
+        self.block_manager.share(shared)
+        child.block_table = list(shared)
+        if has_partial:
+            child.block_table += self.block_manager.allocate(1)
+            begin, end = num_full * self.page_size, parent.num_computed_tokens
+            self.kv_cache.copy_slots(
+                slots_for_positions(parent.block_table, self.page_size, begin, end),
+                slots_for_positions(child.block_table, self.page_size, begin, end),
+            )
+        child.num_computed_tokens = parent.num_computed_tokens
+        return True
 
     def _sample_into(
         self, request: GenerateRequest, choice: Choice, result: RunResult, row: int
@@ -434,41 +526,28 @@ class LLMEngine(DisaggregationOps):
     def _on_preempted(self, seq: Sequence) -> None:
         seq.block_table = []  # the scheduler released the pages
         if seq.kind is SeqKind.SEND:
-            self._sends.pop(seq.request_id, None)
+            self.disaggregation.pop_send(seq.request_id)
             self._events.append(SendFailed(seq.request_id, PreemptedError("remote_send preempted")))
             return
         request = self._requests[seq.request_id]
-        finish_choice(request.choices[seq.choice_index], FinishReason.PREEMPT)
-        self._finish_siblings_if_needed(request)
+        for ended in request.preempt(lambda index: self._placeholder_choice(request, index)):
+            self._drop_seq(ended)
         self._emit(request)
-
-    def _finish_siblings_if_needed(self, request: GenerateRequest) -> None:
-        # A request of n choices is one unit for the router: once one is preempted, the flow
-        # re-runs, so the others stop too.
-        for choice in request.choices:
-            if not choice.is_finished:
-                self._drop_seq(choice.seq)
-                finish_choice(choice, FinishReason.PREEMPT)
-        while len(request.choices) < request.sampling.n:
-            request.choices.append(self._placeholder_choice(request, len(request.choices)))
 
     def _placeholder_choice(self, request: GenerateRequest, index: int) -> Choice:
         seq = self._new_seq(request.request_id, [], 0, SeqKind.GENERATE)
         seq.status = SeqStatus.FINISHED
-        choice = self._new_choice(index, seq, request.sampling)
-        finish_choice(choice, FinishReason.PREEMPT)
-        return choice
+        return self._new_choice(index, seq, request.sampling)
 
     def _on_send_ready(self, seq: Sequence) -> None:
-        job = self._sends[seq.request_id]
-        job.is_ready = True
+        self.disaggregation.mark_ready(seq.request_id)
         self._events.append(SendReady(seq.request_id))
 
     def _on_out_of_pages(self, seq: Sequence) -> None:
         self.scheduler.release(seq)
         seq.status = SeqStatus.FINISHED
         if seq.kind is SeqKind.SEND:
-            self._sends.pop(seq.request_id, None)
+            self.disaggregation.pop_send(seq.request_id)
             self._events.append(SendFailed(seq.request_id, ResourceExhaustedError("KV pool too small")))
             return
         request = self._requests[seq.request_id]
@@ -483,21 +562,15 @@ class LLMEngine(DisaggregationOps):
         self.scheduler.release(seq)
         seq.status = SeqStatus.FINISHED
 
-    def _new_seq(self, request_id: str, ids: list[int], num_prompt: int, kind: SeqKind) -> Sequence:
+    def _next_seq_id_now(self) -> int:
         self._next_seq_id += 1
-        return Sequence(self._next_seq_id, request_id, ids, num_prompt, kind)
+        return self._next_seq_id
+
+    def _new_seq(self, request_id: str, ids: list[int], num_prompt: int, kind: SeqKind) -> Sequence:
+        return Sequence(self._next_seq_id_now(), request_id, ids, num_prompt, kind)
 
     def _new_choice(self, index: int, seq: Sequence, sampling: SamplingParams) -> Choice:
-        if sampling.seed is not None:
-            seed = choice_seed(sampling.seed, index)
-        else:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._rng).item())
-        return Choice(
-            index=index,
-            seq=seq,
-            generator=torch.Generator().manual_seed(seed),
-            decoder=self.tokenizer.incremental_decoder(),
-        )
+        return new_choice(index, seq, sampling, self.tokenizer, self._rng)
 
     def _stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
         ids = set(sampling.stop_token_ids)
@@ -523,7 +596,7 @@ class LLMEngine(DisaggregationOps):
             num_waiting_requests=len(waiting),
             num_free_pages=self.block_manager.num_free_pages,
             num_total_pages=self.num_pages,
-            num_reserved_requests=len(self._reservations),
+            num_reserved_requests=len(self.disaggregation.reservations),
             max_context_length=self.max_context_length,
             prefix_cache=self.block_manager.prefix_cache_stats(),
         )
@@ -538,6 +611,20 @@ class LLMEngine(DisaggregationOps):
                 if isinstance(event, GenerateOutput):
                     outputs.setdefault(event.request_id, []).append(event)
         raise RuntimeError("engine did not finish within max_steps")
+
+    def run_remote_send(
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int
+    ) -> list[KVChunk]:
+        """remote_send + step until ready + export every chunk + release (other requests in
+        the engine advance too)."""
+        self.remote_send(request_id, token_ids, begin, end)
+        while not self.disaggregation.sends[request_id].is_ready:
+            failed = [e for e in self.step() if isinstance(e, SendFailed) and e.request_id == request_id]
+            if failed:
+                raise failed[0].error
+        chunks = [self.export_kv(request_id, b, n) for b, n in self.export_windows(request_id)]
+        self.finish_remote_send(request_id)
+        return chunks
 
     @torch.inference_mode()
     def warmup(self) -> None:

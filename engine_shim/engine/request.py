@@ -1,8 +1,14 @@
 """Per-request generation state: one Choice per `n`, each with its sequence, generator,
-incremental detokenizer and stop-string matcher, turned into Deltas."""
+incremental detokenizer and stop-string matcher, turned into Deltas.
+
+A request of n > 1 choices starts as one sequence; on its first sampled token the other
+choices fork from it (same prompt and KV, a seed of their own) and all sample from the same
+logits. The engine shares the pages; what a fork copies and when is decided here.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -10,8 +16,8 @@ import torch
 from microserving.tokenizer import IncrementalDecoder, Tokenizer
 
 from .api import Delta, FinishReason, SamplingParams, TokenLogprob, TopLogprob, Usage
-from .sampler import SampledToken
-from .sequence import Sequence
+from .sampler import SampledToken, choice_seed
+from .sequence import SeqKind, Sequence
 
 
 @dataclass(eq=False)
@@ -50,6 +56,34 @@ class GenerateRequest:
     def is_finished(self) -> bool:
         return len(self.choices) == self.sampling.n and all(c.is_finished for c in self.choices)
 
+    @property
+    def can_defer_text(self) -> bool:
+        """Its text never decides anything the next step needs: no stop string can end a
+        choice, and no fork waits on a first token (n = 1)."""
+        return not self.sampling.stop and self.sampling.n == 1
+
+    def take_fork_indices(self) -> range:
+        """Indices of the choices to fork now: 1..n-1 on the first sampled token of an n > 1
+        request, nothing at any other time."""
+        if self.is_forked:
+            return range(0)
+        self.is_forked = True
+        return range(1, self.sampling.n)
+
+    def preempt(self, placeholder: Callable[[int], Choice]) -> list[Sequence]:
+        """End every choice with PREEMPT: a request of n choices is one unit for the router,
+        which re-runs the whole flow once one choice is preempted. Choices never forked are
+        reported too, as placeholders. Returns the sequences of the choices this ended, whose
+        pages the engine frees."""
+        ended = [c.seq for c in self.choices if not c.is_finished]
+        for choice in self.choices:
+            finish_choice(choice, FinishReason.PREEMPT)
+        while len(self.choices) < self.sampling.n:
+            choice = placeholder(len(self.choices))
+            finish_choice(choice, FinishReason.PREEMPT)
+            self.choices.append(choice)
+        return ended
+
     def usage(self) -> Usage:
         return Usage(
             prompt_tokens=self.num_prompt_tokens,
@@ -57,6 +91,35 @@ class GenerateRequest:
             cached_tokens=self.choices[0].seq.num_cached_tokens,
             transferred_tokens=self.choices[0].seq.num_transferred_tokens,
         )
+
+
+def new_choice(
+    index: int, seq: Sequence, sampling: SamplingParams, tokenizer: Tokenizer, rng: torch.Generator
+) -> Choice:
+    """Choice `index` over `seq`: seeded from the request's seed (so each choice of a seeded
+    request is reproducible) or else from the engine's generator."""
+    if sampling.seed is not None:
+        seed = choice_seed(sampling.seed, index)
+    else:
+        seed = int(torch.randint(0, 2**62, (1,), generator=rng).item())
+    return Choice(
+        index=index,
+        seq=seq,
+        generator=torch.Generator().manual_seed(seed),
+        decoder=tokenizer.incremental_decoder(),
+    )
+
+
+def fork_sequence(parent: Sequence, seq_id: int, choice_index: int) -> Sequence:
+    """A sibling of `parent` for another choice: its tokens and prompt accounting, no pages
+    yet (the engine shares or recomputes them)."""
+    child = Sequence(seq_id, parent.request_id, list(parent.token_ids), parent.num_prompt_tokens, SeqKind.GENERATE)
+    child.choice_index = choice_index
+    child.num_cached_tokens = parent.num_cached_tokens
+    child.num_transferred_tokens = parent.num_transferred_tokens
+    child.cache_salt = parent.cache_salt
+    child.is_disaggregated = parent.is_disaggregated
+    return child
 
 
 def add_token(

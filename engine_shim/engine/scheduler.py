@@ -33,10 +33,6 @@ class SchedulerOutput:
     # Sequences that cannot grow even with the whole pool to themselves.
     out_of_pages: list[Sequence] = field(default_factory=list)
 
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.preempted_aborted or self.ready_sends or self.out_of_pages)
-
 
 class Scheduler:
     def __init__(

@@ -5,19 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import socket
 
 import httpx
 
 from engine_shim.engine.api import UnavailableError
+from microserving.stack.process import free_port
 
 STARTUP_TIMEOUT_S = 600.0
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class MLCProcess:
@@ -33,7 +27,7 @@ class MLCProcess:
             raise UnavailableError(
                 "the mlc backend needs --mlc-url, or `mlc_llm` installed and --mlc-model-lib"
             )
-        port = _free_port()
+        port = free_port()
         self._process = await asyncio.create_subprocess_exec(
             command,
             "serve",

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import logging
 import struct
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+
+from microserving.pattern_names import PatternName
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +84,7 @@ class StreamOptions(OpenAIBaseModel):
 class PatternHintsParam(OpenAIBaseModel):
     """Our extension `microserving: {...}`: per-request overrides of the router's pattern."""
 
-    pattern: Literal["round-robin", "disagg", "adaptive-disagg"] | None = None
+    pattern: PatternName | None = None
     pd_balance_factor: float | None = Field(default=None, ge=0.0, lt=1.0)
     cache_aware: bool | None = None
 

@@ -20,19 +20,13 @@ import openai
 import pytest
 import yaml
 
+from microserving.stack.process import free_port
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "gateway"))  # deploy_render lives there
 from deploy_render import interpolate  # noqa: E402
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def container_port(service: dict[str, Any]) -> str:

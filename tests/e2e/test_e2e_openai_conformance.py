@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,6 +18,8 @@ import httpx
 import openai
 import pytest
 from e2e_up import ROOT, UpStack, start_up
+
+from microserving.stack.process import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -123,16 +124,10 @@ def test_over_the_inflight_limit_is_a_rate_limit_error(client: openai.OpenAI) ->
 
 
 # ---- InternalServerError ----
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def test_a_gateway_without_its_router_is_an_internal_server_error() -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "microserving.cli", "gateway", "--router", f"127.0.0.1:{_free_port()}",
+        [sys.executable, "-m", "microserving.cli", "gateway", "--router", f"127.0.0.1:{free_port()}",
          "--port", "0"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert gateway.stdout is not None

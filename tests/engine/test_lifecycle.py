@@ -65,6 +65,25 @@ def test_preempted_disaggregated_request_finishes_with_preempt_and_frees_pages(m
     assert engine.status().num_free_pages == engine.num_pages
 
 
+@pytest.mark.parametrize("steps_before_preempt", [0, 3])  # before the fork, after it
+def test_a_preempted_request_of_n_choices_ends_every_choice_with_preempt(
+    make_engine, steps_before_preempt: int
+) -> None:
+    engine = make_engine(page_size=4, num_pages=12)
+    prefill = make_engine(page_size=4)
+    ids = random_prompt(5, 9)
+    recv = engine.prep_recv("pd", ids, -1)
+    for chunk in prefill.run_remote_send("pd", ids, recv.prefix_matched_length, recv.end):
+        engine.import_kv("pd", chunk)
+    params = SamplingParams(temperature=1.0, n=3, seed=1, max_tokens=30, ignore_eos=True)
+    engine.start_generate("pd", ids, recv.end, params)
+    outputs = [e for _ in range(steps_before_preempt) for e in engine.step()]
+    engine.add_request("local", random_prompt(4, 6), SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    outputs += engine.run_until_done()["pd"]
+    assert [finish_of(outputs, i) for i in range(3)] == [FinishReason.PREEMPT] * 3  # type: ignore[arg-type]
+    assert engine.status().num_free_pages == engine.num_pages
+
+
 def test_remote_send_job_is_released_after_export(make_engine) -> None:
     engine = make_engine()
     ids = random_prompt(6, 100)

@@ -6,12 +6,7 @@ gRPC / HTTP helpers. Processes can be killed (SIGKILL), paused (SIGSTOP) and res
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import re
-import signal
-import socket
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -21,12 +16,14 @@ from typing import Any
 
 import psutil
 
+from microserving.stack.process import ServiceProcess, free_port
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
+__all__ = ["free_port"]  # re-exported for the tests that pick a port before starting
+
 REPO = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_S = 120.0
-_LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
 def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -37,50 +34,15 @@ def clean_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-@dataclass
-class Service:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log_path: Path
-    address: str = ""
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
+class Service(ServiceProcess):
+    """A service of a test stack, logging to a file of its own."""
 
     @property
     def port(self) -> int:
         return int(self.address.rsplit(":", 1)[1])
 
-    def is_alive(self) -> bool:
-        return self.proc.poll() is None
-
     def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def pause(self) -> None:
-        os.kill(self.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGCONT)
-
-    def kill(self) -> None:
-        """SIGKILL (after SIGCONT, so a paused process dies too) and reap."""
-        if self.is_alive():
-            self.resume()
-            self.proc.kill()
-        self.proc.wait(timeout=30)
-
-    def stop(self) -> None:
-        if self.is_alive():
-            self.resume()
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        return self.output()
 
     def rss_bytes(self) -> int:
         try:
@@ -91,28 +53,15 @@ class Service:
 
 def launch(name: str, args: Sequence[str], log_dir: Path, env: dict[str, str] | None = None) -> Service:
     """Start `microserving <args>`; call wait_listening() before using it."""
-    log_path = log_dir / f"{name}.log"
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "microserving.cli", *args], cwd=REPO, env=clean_env(env),
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-    return Service(name, proc, log_path)
+    return Service(name, [sys.executable, "-m", "microserving.cli", *args],
+                   log_path=log_dir / f"{name}.log", env=clean_env(env), cwd=REPO)
 
 
 def wait_listening(services: Iterable[Service], timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-    """Wait until every service printed `listening on HOST:PORT`; fills `address`."""
+    """Wait until every service printed `listening on HOST:PORT` (they start side by side)."""
     deadline = time.monotonic() + timeout_s
     for service in services:
-        while not service.address:
-            match = _LISTENING.search(service.log())
-            if match:
-                service.address = match.group(1)
-                break
-            if not service.is_alive() or time.monotonic() > deadline:
-                service.kill()
-                raise RuntimeError(f"{service.name} did not start:\n{service.log()[-3000:]}")
-            time.sleep(0.05)
+        service.wait_listening(max(0.0, deadline - time.monotonic()))
 
 
 def start_shims(log_dir: Path, roles: Sequence[str], *extra: str, env: dict[str, str] | None = None,
@@ -145,13 +94,7 @@ def start_gateway(log_dir: Path, router_address: str, *extra: str,
 
 def stop_all(services: Iterable[Service]) -> None:
     for service in services:
-        service.kill()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+        service.kill(whole_group=True)
 
 
 # ---- gRPC helpers ----
@@ -213,10 +156,6 @@ class Tracked:
     rpc_error: str = ""
     done: router_pb2.RequestDone | None = None
     ended_at_s: float = 0.0
-
-    @property
-    def is_over(self) -> bool:
-        return self.ended_at_s > 0
 
 
 async def track(stub: router_pb2_grpc.RouterStub, request: router_pb2.NewRequest,

@@ -6,9 +6,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -18,84 +15,39 @@ from typing import Any
 
 import grpc
 
+from microserving.stack.process import ServiceProcess
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 from router.router import Router
 from router.server import RunningRouter, start_router
 from router.settings import RouterSettings
 
 REPO = Path(__file__).resolve().parents[2]
-_LISTENING = re.compile(r"listening on (\S+:\d+)")
 
 
-@dataclass
-class Shim:
-    process: subprocess.Popen[str]
-    address: str
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.kill()
-            self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        os.kill(self.process.pid, signal.SIGSTOP)
-
-    def resume(self) -> None:
-        os.kill(self.process.pid, signal.SIGCONT)
+class Shim(ServiceProcess):
+    """A shim process; its output is read (and dropped but for the last lines) so a full pipe
+    never blocks it."""
 
 
 def start_shims(roles: Sequence[str], extra_args: Sequence[str] = (), timeout_s: float = 120.0) -> list[Shim]:
     """Start one shim per role in parallel; returns once every one printed its address."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "microserving.cli", "shim", "--backend", "embedded", "--model", "tiny",
-             "--role", role, "--host", "127.0.0.1", "--port", "0", *extra_args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO,
-        )
-        for role in roles
+    shims = [
+        Shim(f"shim-{i}-{role}",
+             [sys.executable, "-m", "microserving.cli", "shim", "--backend", "embedded", "--model", "tiny",
+              "--role", role, "--host", "127.0.0.1", "--port", "0", *extra_args],
+             env=env, cwd=REPO)
+        for i, role in enumerate(roles)
     ]
-    shims = []
     deadline = time.monotonic() + timeout_s
-    for proc in procs:
-        address = _wait_address(proc, deadline)
-        shims.append(Shim(proc, address))
+    for shim in shims:
+        shim.wait_listening(max(0.0, deadline - time.monotonic()))
     return shims
-
-
-def _wait_address(proc: subprocess.Popen[str], deadline: float) -> str:
-    assert proc.stdout is not None
-    lines = []
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        match = _LISTENING.search(line)
-        if match:
-            _drain(proc)
-            return match.group(1)
-    proc.kill()
-    raise RuntimeError("shim did not start:\n" + "".join(lines))
-
-
-def _drain(proc: subprocess.Popen[str]) -> None:
-    """Keep reading the shim's output so a full pipe never blocks it."""
-    import threading
-
-    def pump() -> None:
-        assert proc.stdout is not None
-        for _ in proc.stdout:
-            pass
-
-    threading.Thread(target=pump, daemon=True).start()
 
 
 def kill_all(shims: Sequence[Shim]) -> None:
     for shim in shims:
-        with contextlib.suppress(ProcessLookupError):
-            shim.resume()
-        shim.kill()
+        shim.kill(whole_group=True)
 
 
 @contextlib.asynccontextmanager

@@ -42,7 +42,7 @@ async def test_killed_decode_shim_before_first_token_is_retried_elsewhere(own_sh
     router = Router(settings=router_settings(engines, pattern="disagg", health_interval_s=120))
     prompts = ["first request through the doomed engine", "second request elsewhere"]
     async with running_router(router) as (_, stub):
-        doomed.stop()  # frozen: the router's PrepRecv waits on it
+        doomed.pause()  # frozen: the router's PrepRecv waits on it
         task = asyncio.ensure_future(generate(stub, *(
             router_pb2.NewRequest(request_id=str(i), text=p, sampling=greedy()) for i, p in enumerate(prompts)
         )))
@@ -74,7 +74,7 @@ async def test_stalled_engine_leaves_rotation_at_its_deadline_and_returns_when_h
                                health_interval_s=6.0, health_timeout_s=1.0)  # only the deadline can catch it first
     router = Router(settings=settings)
     async with running_router(router) as (_, stub):
-        stalled.stop()
+        stalled.pause()
         try:
             results = await generate(stub, *(
                 router_pb2.NewRequest(request_id=str(i), text=f"stall {i}", sampling=greedy()) for i in range(2)

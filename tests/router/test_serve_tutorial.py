@@ -18,6 +18,7 @@ import httpx
 import pytest
 from router_stack import REPO, engine_alone, greedy
 
+from microserving.stack.process import free_ports
 from microserving.tokenizer import Tokenizer
 
 pytestmark = pytest.mark.e2e
@@ -32,16 +33,6 @@ serve(model="tiny", model_lib=None, router_host="127.0.0.1", router_port={port},
       endpoint_num_gpus=[1, 1], enable_prefix_cache=False, router_type=CustomRouter,
       startup_timeout_s=240)
 """
-
-
-def _free_ports(n: int) -> list[int]:
-    sockets = [socket.socket() for _ in range(n)]
-    for sock in sockets:
-        sock.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in sockets]
-    for sock in sockets:
-        sock.close()
-    return ports
 
 
 def _launch(port: int, p0: int, p1: int) -> subprocess.Popen[str]:
@@ -63,7 +54,7 @@ def _stop(process: subprocess.Popen[str]) -> tuple[str, str]:
 
 
 async def test_serve_runs_the_tutorial_router_behind_the_gateway() -> None:
-    port, p0, p1 = _free_ports(3)
+    port, p0, p1 = free_ports(3)
     process = _launch(port, p0, p1)
     prompt = "Serve me the tutorial, then serve it to me again."
     body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0}
@@ -89,7 +80,7 @@ async def test_serve_runs_the_tutorial_router_behind_the_gateway() -> None:
 
 
 def test_serve_names_an_engine_that_cannot_start() -> None:
-    port, p0 = _free_ports(2)
+    port, p0 = free_ports(2)
     with socket.socket() as taken:  # engine 1's port is held: its shim cannot bind
         taken.bind(("127.0.0.1", 0))
         taken.listen()

@@ -13,8 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from router_stack import _LISTENING, REPO, generate, greedy, router_settings, running_router
+from router_stack import REPO, generate, greedy, router_settings, running_router
 
+from microserving.stack.process import LISTENING
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router.router import Router
@@ -111,9 +112,9 @@ async def test_router_entry_point_serves_on_port_0(shims) -> None:
     try:
         assert process.stdout is not None
         line = await asyncio.wait_for(asyncio.to_thread(process.stdout.readline), 60)
-        match = _LISTENING.search(line)
+        match = LISTENING.search(line)
         assert match, line
-        async with grpc.aio.insecure_channel(match.group(1)) as channel:
+        async with grpc.aio.insecure_channel(f"{match['host']}:{match['port']}") as channel:
             stub = router_pb2_grpc.RouterStub(channel)
             status = await stub.GetStatus(router_pb2.RouterGetStatusRequest())
             results = await generate(stub, router_pb2.NewRequest(request_id="e", text="entry point", sampling=greedy()))

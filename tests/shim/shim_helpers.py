@@ -1,5 +1,6 @@
 """Fixtures of the shim tests: shims started through the real entry point
-(`python -m microserving.cli shim ... --port 0`, port read from its `listening on` line) and
+(`python -m microserving.cli shim ... --port 0`, port read from its `listening on` line, through
+microserving.stack.process) and
 small gRPC helpers. The session-scoped P and D shims are shared by every test that leaves
 them as it found them (free pages back at baseline)."""
 
@@ -7,8 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import select
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
+from microserving.stack.process import ServiceProcess
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
@@ -38,8 +38,8 @@ def subprocess_env() -> dict[str, str]:
     return env
 
 
-class ServiceProcess:
-    """A subprocess that prints `... listening on HOST:PORT` once it serves."""
+class ShimProcess(ServiceProcess):
+    """`python -m microserving.cli ARGS`, started and listening; its output in `log_path`."""
 
     def __init__(
         self,
@@ -50,60 +50,30 @@ class ServiceProcess:
     ) -> None:
         """`prefix` runs the process through another command (e.g. `ip netns exec NS`, which
         execs it, so the pid stays the service's); `env` adds variables."""
-        self.log_path = log_path  # the process's stderr (its log lines)
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "microserving.cli", *args],
-            cwd=REPO_ROOT,
-            env={**subprocess_env(), **(env or {})},
-            stdout=subprocess.PIPE,
-            stderr=self._log,
+        super().__init__(
+            log_path.stem, [*prefix, sys.executable, "-m", "microserving.cli", *args],
+            log_path=log_path, env={**subprocess_env(), **(env or {})}, cwd=REPO_ROOT,
         )
-        self.address = self._wait_for_address()
-
-    def _wait_for_address(self) -> str:
-        assert self.proc.stdout is not None
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([self.proc.stdout], [], [], 0.5)
-            if ready:
-                line = self.proc.stdout.readline().decode()
-                if " listening on " in line:
-                    return line.rsplit(" ", 1)[1].strip()
-                if not line and self.proc.poll() is not None:
-                    break
-        self.stop()
-        raise RuntimeError(f"{self.proc.args} did not start; see {self._log.name}")
+        self.wait_listening(STARTUP_TIMEOUT_S)
 
     def log_text(self) -> str:
-        return self.log_path.read_text(encoding="utf-8", errors="replace")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        return int(self.proc.returncode)
+        return self.output()
 
 
-def start_shim(tmp_dir: Path, name: str, *extra: str) -> ServiceProcess:
+def start_shim(tmp_dir: Path, name: str, *extra: str) -> ShimProcess:
     args = ["shim", "--backend", "embedded", "--model", "tiny", "--port", "0", *extra]
-    return ServiceProcess(args, tmp_dir / f"{name}.log")
+    return ShimProcess(args, tmp_dir / f"{name}.log")
 
 
 @pytest.fixture(scope="session")
-def prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
     shim = start_shim(tmp_path_factory.mktemp("shims"), "prefill", "--role", "prefill")
     yield shim
     shim.stop()
 
 
 @pytest.fixture(scope="session")
-def decode_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def decode_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
     shim = start_shim(tmp_path_factory.mktemp("shims"), "decode", "--role", "decode")
     yield shim
     shim.stop()
@@ -192,7 +162,7 @@ async def wait_for_free_pages(
     return seen
 
 
-async def logged_path(shim: ServiceProcess, request_id: str) -> str:
+async def logged_path(shim: ShimProcess, request_id: str) -> str:
     """The path= (nixl, shm, grpc) a sender logged for `request_id`'s RemoteSend ("" if none)."""
     for _ in range(100):  # the line reaches the file right after the call returns
         for line in shim.log_text().splitlines():

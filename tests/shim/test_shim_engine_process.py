@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 from shim_helpers import (
-    ServiceProcess,
+    ShimProcess,
     engine_stub,
     free_pages,
     generate,
@@ -41,7 +41,7 @@ _PATHS = {"auto": "nixl" if NIXL is not None else "shm", "shm": "shm", "grpc": "
 
 
 @pytest.fixture(scope="module")
-def process_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServiceProcess]]:
+def process_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
     """A decode shim and one prefill shim per sender transport, each core in its own process."""
     tmp = tmp_path_factory.mktemp("process-shims")
     specs = {"decode": ("--role", "decode")} | {
@@ -58,7 +58,7 @@ def process_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
         shim.stop()
 
 
-def _engine_pid(shim: ServiceProcess) -> int:
+def _engine_pid(shim: ShimProcess) -> int:
     match = _ENGINE_TID.search(shim.log_text())
     assert match, "the shim did not log its engine loop's thread id"
     return int(match.group(1))
@@ -67,10 +67,10 @@ def _engine_pid(shim: ServiceProcess) -> int:
 def test_the_core_runs_in_a_child_process_of_the_shim(process_shims) -> None:
     for shim in process_shims.values():
         pid = _engine_pid(shim)  # the core process's main thread: its pid
-        assert pid != shim.proc.pid
+        assert pid != shim.process.pid
         with open(f"/proc/{pid}/stat", encoding="utf-8") as stat:
             parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-        assert parent == shim.proc.pid
+        assert parent == shim.process.pid
 
 
 @pytest.mark.parametrize("transport", list(_PATHS))
@@ -109,9 +109,9 @@ async def test_a_dead_core_fails_the_calls_in_flight_and_the_shim_exits(tmp_path
             assert raised.value.code() == grpc.StatusCode.UNAVAILABLE
             assert "engine process exited" in (raised.value.details() or "")
         deadline = time.monotonic() + 60
-        while shim.proc.poll() is None and time.monotonic() < deadline:
+        while shim.process.poll() is None and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        assert shim.proc.returncode == 1
+        assert shim.process.returncode == 1
         assert "the engine is gone" in shim.log_text()
     finally:
         shim.stop()

@@ -84,10 +84,10 @@ async def test_sigterm_lets_the_in_flight_stream_finish_then_exits(tmp_path):
             ids: list[int] = []
             async for response in stub.StartGenerate(request):
                 if not ids:
-                    shim.proc.send_signal(signal.SIGTERM)
+                    shim.process.send_signal(signal.SIGTERM)
                 for choice in response.choices:
                     ids.extend(choice.token_ids)
-        exit_code = await asyncio.to_thread(shim.proc.wait, 30)
+        exit_code = await asyncio.to_thread(shim.process.wait, 30)
     finally:
         shim.stop()
     assert len(ids) == 40 and exit_code == 0
@@ -105,13 +105,13 @@ async def test_a_draining_shim_refuses_new_requests(tmp_path):
                 )
             )
             await long_call.read()  # streaming
-            shim.proc.send_signal(signal.SIGTERM)
+            shim.process.send_signal(signal.SIGTERM)
             await asyncio.sleep(0.3)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await generate(stub, "late", PROMPT)
             is_still_streaming = long_call.done() is False
             long_call.cancel()  # the drain then ends without waiting for its grace period
-            exit_code = await asyncio.to_thread(shim.proc.wait, 10)
+            exit_code = await asyncio.to_thread(shim.process.wait, 10)
     finally:
         shim.stop()
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

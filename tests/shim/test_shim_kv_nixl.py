@@ -20,7 +20,7 @@ import grpc
 import pytest
 from shim_helpers import (
     PROMPT,
-    ServiceProcess,
+    ShimProcess,
     engine_stub,
     free_pages,
     generate,
@@ -176,11 +176,11 @@ async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_t
 
 
 @pytest.fixture()
-def lone_receiver(tmp_path: Path) -> Iterator[ServiceProcess]:
+def lone_receiver(tmp_path: Path) -> Iterator[ShimProcess]:
     shim = start_shim(tmp_path, "lone-d", "--role", "decode")
     yield shim
-    if shim.proc.poll() is None:
-        os.kill(shim.proc.pid, signal.SIGCONT)
+    if shim.process.poll() is None:
+        os.kill(shim.process.pid, signal.SIGCONT)
     shim.stop()
 
 
@@ -200,7 +200,7 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
                     request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
                 )
             )
-            os.kill(lone_receiver.proc.pid, stop)
+            os.kill(lone_receiver.process.pid, stop)
             send = engine_pb2.RemoteSendRequest(
                 request_id=request_id, token_ids=tokens, begin=0, end=prep.end,
                 kv_addr_info=prep.kv_addr_info, sampling=greedy(),
@@ -210,7 +210,7 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
                 await p_stub.RemoteSend(send, timeout=8.0)
             codes.append((failed.value.code(), time.monotonic() - started))
             if stop == signal.SIGSTOP:
-                os.kill(lone_receiver.proc.pid, signal.SIGCONT)
+                os.kill(lone_receiver.process.pid, signal.SIGCONT)
             # The sender's pages (the send's own) come back either way.
             assert await wait_for_free_pages(p_stub, baseline, within_s=10) == baseline
     stalled, dead = codes

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from shim_helpers import ServiceProcess, generate_alone, logged_path, pd_flow
+from shim_helpers import ShimProcess, generate_alone, logged_path, pd_flow
 
 from engine_shim.kv_nixl import load_nixl
 
@@ -104,7 +104,7 @@ def network() -> Iterator[Network]:
         net.remove()
 
 
-def _shim_on(host: Host, tmp: Path, name: str) -> ServiceProcess:
+def _shim_on(host: Host, tmp: Path, name: str) -> ShimProcess:
     args = [
         "shim", "--backend", "embedded", "--model", "tiny", "--host", host.address,
         "--port", "0", "--kv-transport", "nixl",
@@ -113,7 +113,7 @@ def _shim_on(host: Host, tmp: Path, name: str) -> ServiceProcess:
     # process on this one kernel, and the KV would not cross the link.
     env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": host.link}
     prefix = ("ip", "netns", "exec", host.namespace)
-    return ServiceProcess(args, tmp / f"{name}.log", prefix=prefix, env=env)
+    return ShimProcess(args, tmp / f"{name}.log", prefix=prefix, env=env)
 
 
 async def test_pd_across_two_network_namespaces_matches_one_shim(

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from shim_helpers import (
     PROMPT,
-    ServiceProcess,
+    ShimProcess,
     engine_stub,
     free_pages,
     generate,
@@ -41,7 +41,7 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
     shim = start_shim(
         tmp_path_factory.mktemp("shm-off"), "shm-off", "--kv-shm", "false", "--kv-transport", "shm"
     )
@@ -50,7 +50,7 @@ def shm_off_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServicePr
 
 
 @pytest.fixture(scope="module")
-def shm_prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def shm_prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
     """A sender that uses shared memory where offered (not NIXL)."""
     shim = start_shim(tmp_path_factory.mktemp("shm-p"), "shm-p", "--kv-transport", "shm")
     yield shim
@@ -58,14 +58,14 @@ def shm_prefill_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servi
 
 
 async def _pd(
-    p: ServiceProcess, d: ServiceProcess, request_id: str, tokens: list[int]
+    p: ShimProcess, d: ShimProcess, request_id: str, tokens: list[int]
 ) -> tuple[list[int], dict]:
     """The PD flow; the tokens and D's kv_addr_info."""
     ids, prep, _ = await pd_flow(p.address, d.address, request_id, tokens)
     return ids, json.loads(prep.kv_addr_info)
 
 
-async def _logged_path(shim: ServiceProcess, request_id: str) -> str:
+async def _logged_path(shim: ShimProcess, request_id: str) -> str:
     """The path= P logged for `request_id`'s RemoteSend ("" if none yet)."""
     for _ in range(50):  # the line reaches the file right after the call returns
         for line in shim.log_text().splitlines():
@@ -80,8 +80,8 @@ async def test_pd_through_shared_memory_matches_single_shim(shm_prefill_shim, de
     expected = await generate_alone(shm_prefill_shim.address, "shm-alone", tokens)
     ids, info = await _pd(shm_prefill_shim, decode_shim, "shm-pd", tokens)
     assert info["shm"]["host"] == host_identity()
-    assert info["shm"]["pid"] == decode_shim.proc.pid
-    assert info["shm"]["fd"] in stage_fds(decode_shim.proc.pid)
+    assert info["shm"]["pid"] == decode_shim.process.pid
+    assert info["shm"]["fd"] in stage_fds(decode_shim.process.pid)
     assert await _logged_path(shm_prefill_shim, "shm-pd") == "shm"
     assert len(expected) == 16 and ids == expected
 
@@ -202,7 +202,7 @@ async def test_a_shared_memory_push_that_breaks_off_frees_pages_and_retires_its_
         status = await stub.GetStatus(engine_pb2.GetStatusRequest())
         assert status.num_reserved_requests == 0
     # A sender might still write it, so the segment is closed, never leased again.
-    assert info["shm"]["fd"] not in stage_fds(decode_shim.proc.pid)
+    assert info["shm"]["fd"] not in stage_fds(decode_shim.process.pid)
 
 
 # ---- segment lifetime ----
@@ -224,13 +224,13 @@ async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
     try:
         _, info = await _pd(shm_prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
         assert await _logged_path(shm_prefill_shim, "lifetime-pd") == "shm"
-        stage = os.stat(f"/proc/{receiver.proc.pid}/fd/{info['shm']['fd']}").st_ino
-        assert stage in _stage_inodes(shm_prefill_shim.proc.pid)  # P keeps it mapped for reuse
+        stage = os.stat(f"/proc/{receiver.process.pid}/fd/{info['shm']['fd']}").st_ino
+        assert stage in _stage_inodes(shm_prefill_shim.process.pid)  # P keeps it mapped for reuse
         assert _names_in_dev_shm() == before  # memfds: nothing named that could leak
     finally:
         assert receiver.stop() == 0  # SIGTERM: drained and stopped cleanly
     # P lets go of the gone receiver's segment at its next push (to another receiver).
     await _pd(shm_prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
     assert await _logged_path(shm_prefill_shim, "after-lifetime") == "shm"
-    assert stage not in _stage_inodes(shm_prefill_shim.proc.pid)
+    assert stage not in _stage_inodes(shm_prefill_shim.process.pid)
     assert _names_in_dev_shm() == before

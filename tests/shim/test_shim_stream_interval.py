@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Iterator
 
 import pytest
-from shim_helpers import PROMPT, ServiceProcess, engine_stub, generate, greedy, start_shim
+from shim_helpers import PROMPT, ShimProcess, engine_stub, generate, greedy, start_shim
 
 from microserving.v1 import engine_pb2
 
@@ -21,7 +21,7 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def interval_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServiceProcess]:
+def interval_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
     shim = start_shim(tmp_path_factory.mktemp("interval"), "interval", "--role", "both",
                       "--stream-interval-ms", str(INTERVAL_MS))
     yield shim

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from shim_helpers import ServiceProcess, engine_stub, free_pages, generate, greedy, pd_flow
+from shim_helpers import ShimProcess, engine_stub, free_pages, generate, greedy, pd_flow
 
 from microserving.v1 import common_pb2, engine_pb2
 
@@ -19,10 +19,10 @@ pytestmark = pytest.mark.e2e
 PROMPT = [ord(c) for c in "a prompt of plain words for the synthetic engine "]
 
 
-def _start(tmp_path: Path, name: str, role: str) -> ServiceProcess:
+def _start(tmp_path: Path, name: str, role: str) -> ShimProcess:
     args = ["shim", "--backend", "synthetic", "--model", "tiny", "--port", "0", "--role", role,
             "--synthetic-step-ms", "1:0.5,64:1.0"]
-    return ServiceProcess(args, tmp_path / f"{name}.log")
+    return ShimProcess(args, tmp_path / f"{name}.log")
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gateway.launcher import ManagedProcess
-from gateway.probe import is_grpc_serving, is_http_healthy
+from microserving.pattern_names import PATTERN_NAMES
+from microserving.stack.health import is_grpc_serving, is_http_healthy
+from microserving.stack.process import ServiceProcess
 from microserving.tokenizer import MODEL_HELP
 from microserving.transport import TransportSettings
 
@@ -60,7 +61,7 @@ def default_process_counts(num_cpus: int) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="microserving up", description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="tiny", help=MODEL_HELP)
-    parser.add_argument("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"],
+    parser.add_argument("--pattern", choices=PATTERN_NAMES,
                         help="orchestration pattern (default disagg; round-robin: engines that do both, 2 unless --engines N)")
     parser.add_argument("--engines", type=int, help="N engines that each do prefill and decode")
     parser.add_argument("--prefill", type=int, help="prefill engines (default 1)")
@@ -218,25 +219,26 @@ class Stack:
 
     def __init__(self, plan: StackPlan) -> None:
         self.plan = plan
-        self.children: list[ManagedProcess] = []
+        self.children: list[ServiceProcess] = []
         self.stopping = threading.Event()
-        self.exited: ManagedProcess | None = None
+        self.exited: ServiceProcess | None = None
 
-    def _on_exit(self, child: ManagedProcess) -> None:
+    def _on_exit(self, child: ServiceProcess) -> None:
         if not self.stopping.is_set():
             self.exited = child
             self.stopping.set()
 
-    def spawn(self, name: str, argv: list[str], env_prefix: str) -> ManagedProcess:
+    def spawn(self, name: str, argv: list[str], env_prefix: str) -> ServiceProcess:
         env = transport_env(env_prefix, self.plan.transport)
         if env_prefix == "GATEWAY" and self.plan.api_keys:
             env["MICROSERVING_GATEWAY_API_KEYS"] = ",".join(self.plan.api_keys)
-        child = ManagedProcess(name, argv, self._on_exit, env=env)
+        child = ServiceProcess(name, argv, env=env, on_line=_relay_as(name), on_exit=self._on_exit,
+                               dies_with_parent=True)
         self.children.append(child)
         _say(f"started {name} (pid {child.pid}): {' '.join(argv[1:])}")
         return child
 
-    def wait_ready(self, child: ManagedProcess, is_ready: Callable[[str], bool],
+    def wait_ready(self, child: ServiceProcess, is_ready: Callable[[str], bool],
                    deadline_s: float) -> str:
         """Waits for the child's address, then for its health check; returns the address."""
         started_s = time.monotonic()
@@ -244,7 +246,7 @@ class Stack:
         while True:
             if self.stopping.is_set():
                 raise StartupFailed(self._why_stopped())
-            if child.address is not None and is_ready(child.address):
+            if child.is_listening and is_ready(child.address):
                 _say(f"{child.name} ready on {child.address} "
                      f"({time.monotonic() - started_s:.1f} s)")
                 return child.address
@@ -252,10 +254,10 @@ class Stack:
             if now > deadline_s:
                 raise StartupFailed(f"{child.name} not ready after {now - started_s:.0f} s")
             if now >= next_progress_s:
-                stage = "loading" if child.address is None else "waiting for health"
+                stage = "waiting for health" if child.is_listening else "loading"
                 _say(f"{child.name}: {stage} ... {now - started_s:.0f} s")
                 next_progress_s = now + _PROGRESS_EVERY_S
-            self.stopping.wait(0.2 if child.address is None else 0.25)
+            self.stopping.wait(0.25 if child.is_listening else 0.2)
 
     def _why_stopped(self) -> str:
         if self.exited is not None:
@@ -288,6 +290,14 @@ class Stack:
         self.stopping.set()
         for child in reversed(self.children):
             child.stop(self.plan.grace_s)
+
+
+def _relay_as(name: str) -> Callable[[str], None]:
+    """A child's output line on our stderr, prefixed with its name."""
+    def relay(line: str) -> None:
+        sys.stderr.write(f"[{name}] {line}")
+        sys.stderr.flush()
+    return relay
 
 
 def _say(message: str) -> None:

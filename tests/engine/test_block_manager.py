@@ -1,0 +1,126 @@
+"""The KV page pool's bookkeeping on its own (plain Python, no model): allocation and free,
+reference counts of shared pages, the prefix cache (matching, salts, eviction) and running
+out of pages."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine_shim.engine.block_manager import (
+    BlockManager,
+    num_pages_for,
+    slot_segments,
+    slots_for_positions,
+)
+
+pytestmark = pytest.mark.unit
+
+PAGE_SIZE = 4
+
+
+def test_allocation_takes_low_page_ids_first_and_release_returns_them() -> None:
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=False)
+    first = pool.allocate(3)
+    assert first == [0, 1, 2]
+    assert pool.num_free_pages == 5
+    assert [pool.ref_count(p) for p in first] == [1, 1, 1]
+    pool.release(first)
+    assert pool.num_free_pages == 8
+    assert pool.allocate(2) == [0, 1]  # released pages come back, lowest first
+
+
+def test_allocating_past_the_free_pages_raises_and_changes_nothing() -> None:
+    pool = BlockManager(num_pages=4, page_size=PAGE_SIZE, enable_prefix_cache=False)
+    pool.allocate(3)
+    assert pool.can_allocate(1) and not pool.can_allocate(2)
+    with pytest.raises(RuntimeError, match="can_allocate"):
+        pool.allocate(2)
+    assert pool.num_free_pages == 1
+
+
+def test_a_shared_page_is_free_only_after_its_last_reference_is_dropped() -> None:
+    pool = BlockManager(num_pages=4, page_size=PAGE_SIZE, enable_prefix_cache=False)
+    pages = pool.allocate(2)
+    pool.share(pages)
+    assert [pool.ref_count(p) for p in pages] == [2, 2]
+    pool.release(pages)
+    assert pool.num_free_pages == 2
+    pool.release(pages)
+    assert pool.num_free_pages == 4
+
+
+def test_releasing_a_page_more_often_than_acquired_is_an_error() -> None:
+    pool = BlockManager(num_pages=2, page_size=PAGE_SIZE, enable_prefix_cache=False)
+    pages = pool.allocate(1)
+    pool.release(pages)
+    with pytest.raises(RuntimeError, match="released more often"):
+        pool.release(pages)
+
+
+def test_computed_full_pages_are_matched_by_a_later_prompt_with_the_same_prefix() -> None:
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tokens = list(range(100, 110))  # 2 full pages and 2 tokens of a third
+    pages = pool.allocate(3)
+    pool.release(pages, tokens, num_computed_tokens=10)
+    assert pool.num_free_pages == 8  # cached pages count as free: they can be evicted
+    assert pool.prefix_cache_stats().num_cached_pages == 2  # the partial page is not cached
+
+    matched = pool.acquire_prefix([*tokens[:8], 7, 7, 7], max_tokens=11)
+    assert matched == pages[:2]
+    assert [pool.ref_count(p) for p in matched] == [1, 1]
+    assert pool.num_free_pages == 6  # referenced again: no longer evictable
+
+
+def test_a_prefix_match_stops_at_the_first_differing_page_and_at_max_tokens() -> None:
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tokens = list(range(12))
+    pool.release(pool.allocate(3), tokens, num_computed_tokens=12)
+    differs_in_page_1 = [*tokens[:4], 99, *tokens[5:]]
+    assert len(pool.acquire_prefix(differs_in_page_1, max_tokens=12)) == 1
+    assert len(pool.acquire_prefix(tokens, max_tokens=7)) == 1  # only whole pages below 7
+    assert len(pool.acquire_prefix(tokens, max_tokens=12)) == 3
+
+
+def test_pages_cached_under_one_salt_are_invisible_under_another() -> None:
+    pool = BlockManager(num_pages=4, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tokens = list(range(8))
+    pool.release(pool.allocate(2), tokens, num_computed_tokens=8, salt="tenant-a")
+    assert pool.acquire_prefix(tokens, max_tokens=8, salt="tenant-b") == []
+    assert pool.acquire_prefix(tokens, max_tokens=8) == []
+    assert len(pool.acquire_prefix(tokens, max_tokens=8, salt="tenant-a")) == 2
+
+
+def test_when_no_page_is_unused_the_least_recently_released_cached_page_is_evicted() -> None:
+    pool = BlockManager(num_pages=2, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    old, new = [0, 1, 2, 3], [4, 5, 6, 7]
+    pool.release(pool.allocate(1), old, num_computed_tokens=4)
+    pool.release(pool.allocate(1), new, num_computed_tokens=4)
+    assert pool.prefix_cache_stats().num_evictable_pages == 2
+    pool.allocate(1)  # no never-used page left: evicts the older one
+    assert pool.acquire_prefix(old, max_tokens=4) == []
+    assert len(pool.acquire_prefix(new, max_tokens=4)) == 1
+    assert not pool.can_allocate(1)  # one page in use, the other referenced again
+
+
+def test_prefix_queries_are_counted_for_the_hit_rate() -> None:
+    pool = BlockManager(num_pages=4, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    pool.record_prefix_query(num_query_tokens=10, num_hit_tokens=8)
+    pool.record_prefix_query(num_query_tokens=6, num_hit_tokens=0)
+    stats = pool.prefix_cache_stats()
+    assert (stats.num_queries, stats.num_query_tokens, stats.num_hit_tokens) == (2, 16, 8)
+
+
+def test_without_a_prefix_cache_nothing_is_matched_and_released_pages_are_plain_free() -> None:
+    pool = BlockManager(num_pages=2, page_size=PAGE_SIZE, enable_prefix_cache=False)
+    tokens = list(range(8))
+    pool.release(pool.allocate(2), tokens, num_computed_tokens=8)
+    assert pool.acquire_prefix(tokens, max_tokens=8) == []
+    assert pool.prefix_cache_stats().num_cached_pages == 0
+    assert pool.num_free_pages == 2
+
+
+def test_positions_map_to_slots_through_the_block_table() -> None:
+    assert num_pages_for(0, 4) == 0 and num_pages_for(4, 4) == 1 and num_pages_for(5, 4) == 2
+    slots = slots_for_positions([3, 1], page_size=4, begin=2, end=7)
+    assert slots == [14, 15, 4, 5, 6]  # positions 2-3 in page 3, 4-6 in page 1
+    assert slot_segments(slots) == [(14, 2), (4, 3)]
