@@ -26,6 +26,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--model", str, MODEL_HELP),
     ("--host", str, "interface to bind (default 127.0.0.1)"),
     ("--port", int, "gRPC port; 0 picks a free one (the bound port is printed)"),
+    ("--metrics-port", int, "HTTP port of Prometheus /metrics; 0 picks a free one (default: none)"),
     ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),
     ("--device", str, "cpu | cuda | cuda:N (embedded)"),
     ("--role", str, "prefill | decode | both"),
@@ -102,6 +103,8 @@ async def run(settings: ShimSettings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await server.start()
+    if server.metrics_server is not None:
+        print(f"microserving shim metrics on http://{settings.host}:{server.metrics_server.port}/metrics", flush=True)
     print(f"microserving shim listening on {server.address}", flush=True)
     logger.info("serving %s (%s backend) on %s", settings.model, settings.backend, server.address)
     stopped = asyncio.ensure_future(stop.wait())

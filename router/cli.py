@@ -40,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model-id", help="id clients pass as model (default: from --model)")
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="gRPC port; 0 picks a free one (default 50051)")
+    add("--metrics-port", type=int, help="HTTP port of Prometheus /metrics; 0 picks a free one (default: none)")
     add("--health-interval-s", type=float, help="seconds between health/status polls per engine")
     add("--first-token-timeout-s", type=float, help="deadline for an engine's first streamed message")
     add("--inter-token-timeout-s", type=float, help="deadline between an engine's streamed messages")

@@ -13,6 +13,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from microserving.metrics import serve_metrics
 from microserving.transport import add_port, create_server
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.endpoint import DECODE, PREFILL, Endpoint
@@ -72,6 +73,10 @@ async def start_router(router: Router, host: str, port: int) -> RunningRouter:
 async def serve_forever(router: Router, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, printing the bound address once serving."""
     running = await start_router(router, host, port)
+    metrics_port = router.settings.metrics_port
+    metrics = None if metrics_port is None else serve_metrics(router.metrics.registry, host, metrics_port)
+    if metrics is not None:
+        print(f"microserving router metrics on http://{host}:{metrics.port}/metrics", flush=True)
     print(f"microserving router listening on {host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -80,3 +85,5 @@ async def serve_forever(router: Router, host: str, port: int) -> None:
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await running.stop()
+    if metrics is not None:
+        metrics.stop()

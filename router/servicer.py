@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -141,7 +142,9 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             _put_error(outbox, new.request_id, OverloadedError(
                 f"the router has {limit} requests in flight, its limit; retry later"))
             return
+        arrived_s = time.perf_counter()
         self._num_inflight += 1
+        router.metrics.inflight.inc()
         try:
             try:
                 prepared = await prepare_off_loop(new, router.tokenizer, router.model_id,
@@ -149,9 +152,10 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except RouterError as exc:
                 _put_error(outbox, new.request_id, exc)
                 return
-            await RequestRunner(router, prepared, outbox).run()
+            await RequestRunner(router, prepared, outbox, arrived_s).run()
         finally:
             self._num_inflight -= 1
+            router.metrics.inflight.dec()
 
     @_map_errors
     async def ListModels(
