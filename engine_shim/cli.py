@@ -15,7 +15,9 @@ from pydantic import ValidationError
 
 from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
+from microserving import tracing
 from microserving.tokenizer import MODEL_HELP
+from microserving.tracing import configure_logging
 
 logger = logging.getLogger("engine_shim")
 
@@ -129,9 +131,8 @@ def main(argv: list[str]) -> int:
     except ValidationError as error:
         print(f"microserving shim: invalid settings:\n{error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level)
+    tracing.configure("shim")
     if settings.tune_malloc:
         tune_for_large_buffers()
     return _loop_runner(settings.backend)(run(settings))

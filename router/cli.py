@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pydantic import ValidationError
 
+from microserving import tracing
 from microserving.tokenizer import MODEL_HELP
+from microserving.tracing import configure_logging
 from router.router import Router
 from router.router_class import load_router_class
 from router.server import serve_forever
@@ -79,7 +80,8 @@ def _loop_runner(event_loop: str) -> Callable[[Coroutine[Any, Any, None]], None]
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
+    tracing.configure("router")
     overrides: dict[str, Any] = {
         key: value for key, value in vars(args).items()
         if value is not None and key not in ("config", "log_level")

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2
 from router.endpoint import (
     STAGE_DECODE,
@@ -59,8 +60,9 @@ async def prep_recv(router: Router, endpoint: Endpoint, job: EngineJob, end: int
     )
     started_s = time.perf_counter()
     try:
-        with endpoint.track(STAGE_PREP_RECV):
-            reply = await endpoint.stub.PrepRecv(message, timeout=router.settings.prep_recv_timeout_s)
+        with endpoint.track(STAGE_PREP_RECV), _span("prep_recv", endpoint, job, ctx.traceparent) as span:
+            reply = await endpoint.stub.PrepRecv(message, timeout=router.settings.prep_recv_timeout_s,
+                                                 metadata=tracing.metadata(span.traceparent))
     except grpc.aio.AioRpcError as exc:
         raise router.call_failed(exc, endpoint.address, "prep_recv") from exc
     router.metrics.engine_call_s.labels(endpoint.address, "prep_recv").observe(time.perf_counter() - started_s)
@@ -75,19 +77,26 @@ async def remote_send(
     recv_rank: int,
 ) -> None:
     """RemoteSend on the sender; returns once the KV reached the receiver."""
-    router.context(job.request_id).touch(endpoint.address)
+    ctx = router.context(job.request_id)
+    ctx.touch(endpoint.address)
     message = engine_pb2.RemoteSendRequest(
         request_id=job.request_id, token_ids=job.token_ids, begin=begin, end=end,
         kv_addr_info=kv_addr_info, recv_rank=recv_rank, sampling=job.sampling,
     )
     started_s = time.perf_counter()
     try:
-        with endpoint.track(STAGE_REMOTE_SEND):
-            await endpoint.stub.RemoteSend(message, timeout=router.settings.remote_send_timeout_s)
+        with endpoint.track(STAGE_REMOTE_SEND), _span("remote_send", endpoint, job, ctx.traceparent) as span:
+            await endpoint.stub.RemoteSend(message, timeout=router.settings.remote_send_timeout_s,
+                                           metadata=tracing.metadata(span.traceparent))
     except grpc.aio.AioRpcError as exc:
         raise router.call_failed(exc, endpoint.address, "remote_send") from exc
     num_tokens = normalise_end(end, len(job.token_ids)) - begin
     observe_remote_send(router.metrics, endpoint, num_tokens, time.perf_counter() - started_s)
+
+
+def _span(call: str, endpoint: Endpoint, job: EngineJob, traceparent: str) -> tracing.Span:
+    return tracing.Span(f"router.{call}", traceparent, {
+        "microserving.engine": endpoint.address, "microserving.engine_request_id": job.request_id})
 
 
 # Bytes of one element of a KV dtype an engine reports.
@@ -124,7 +133,8 @@ def decode(router: Router, endpoint: Endpoint, job: EngineJob, begin: int) -> De
         ctx.reservations.discard(endpoint.address)
         endpoint.release(STAGE_RESERVED)
     message = engine_pb2.StartGenerateRequest(
-        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling
+        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling,
+        traceparent=ctx.traceparent,
     )
     return StreamedDecode(router, endpoint, stream, message)
 
@@ -140,7 +150,8 @@ async def start_generate(
         ctx.reservations.discard(endpoint.address)
         endpoint.release(STAGE_RESERVED)
     message = engine_pb2.StartGenerateRequest(
-        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling
+        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling,
+        traceparent=ctx.traceparent,
     )
     endpoint.acquire(STAGE_DECODE)
     call = endpoint.stub.StartGenerate(message)

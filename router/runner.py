@@ -27,6 +27,7 @@ from collections.abc import AsyncGenerator, Iterable
 
 import grpc
 
+from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2, router_pb2
 from router import patterns
 from router.context import RequestContext
@@ -59,7 +60,7 @@ class _Outcome(enum.Enum):
 
 class RequestRunner:
     def __init__(self, router: Router, prepared: PreparedRequest, outbox: Outbox,
-                 arrived_s: float | None = None) -> None:
+                 arrived_s: float | None = None, span: tracing.Span | None = None) -> None:
         self._router = router
         self._arrived_s = time.perf_counter() if arrived_s is None else arrived_s  # perf_counter
         self._first_output_s = 0.0  # when the first engine output arrived (0: none yet)
@@ -76,6 +77,11 @@ class RequestRunner:
         self._transferred_tokens = 0
         self._engine_completion: int | None = None
         self._id_base = uuid.uuid4().hex
+        self._traceparent = span.traceparent if span is not None else ""
+        if span is not None:
+            span.set_attribute("microserving.engine_request_id_base", self._id_base)
+        # The id mapping, once per request: client's id -> the engines' ids (one per attempt).
+        logger.debug("request %s: engine request ids %s-<attempt>", prepared.request_id, self._id_base)
         self._engines: list[str] = []
 
     @property
@@ -129,7 +135,8 @@ class RequestRunner:
         while True:
             ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
                                  hints=self._prepared.hints, excluded=set(excluded),
-                                 cache_salt=self._prepared.sampling.cache_salt)
+                                 cache_salt=self._prepared.sampling.cache_salt,
+                                 traceparent=self._traceparent)
             try:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
