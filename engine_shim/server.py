@@ -10,7 +10,6 @@ import logging
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from engine_shim.backend import Backend
 from engine_shim.kv_receiver import KV_TRANSFER_SERVICE
@@ -19,6 +18,7 @@ from engine_shim.requests import RequestTracker
 from engine_shim.servicer import EngineServicer
 from engine_shim.settings import ShimSettings
 from microserving.metrics import MetricsServer, serve_metrics
+from microserving.reflection import enable_server_reflection
 from microserving.transport import add_port, create_server
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -78,7 +78,7 @@ class ShimServer:
             *self._service_names[1:],
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         ]
-        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+        enable_server_reflection(names, server)
         return server
 
     async def _set_health(

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from microserving.metrics import serve_metrics
+from microserving.reflection import enable_server_reflection
 from microserving.transport import add_port, create_server
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.endpoint import DECODE, PREFILL, Endpoint
@@ -50,9 +50,7 @@ async def start_router(router: Router, host: str, port: int) -> RunningRouter:
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME), server)
     bound = add_port(server, f"{host}:{port}", settings.transport)
     loop = asyncio.get_running_loop()
 
