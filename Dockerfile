@@ -34,6 +34,8 @@ FROM source AS engine
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ARG EXTRAS=engine
+# A folder of wheels mounted into the build (podman build -v DIR:/wheels): pip looks there too.
+ARG PIP_FIND_LINKS
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
     && pip install ".[${EXTRAS}]" && rm -rf /root/.cache
 USER 10001
