@@ -6,6 +6,7 @@ and the values agree with the requests that were sent."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -128,3 +129,18 @@ def test_gateway_metrics_count_finish_reasons(stack: dict[str, Service]) -> None
     assert value(samples, "microserving_gateway_finish_reasons_total", reason="length") == NUM_REQUESTS
     assert value(samples, "microserving_gateway_completion_tokens_total") == NUM_REQUESTS * MAX_TOKENS
 
+
+
+def test_grafana_dashboard_queries_only_metrics_the_stack_exports(stack: dict[str, Service]) -> None:
+    """deploy/grafana/microserving.json: every metric its queries name is in a live scrape."""
+    exported: set[str] = set()
+    for url in (metrics_url(stack["router"]), metrics_url(stack["decode"]),
+                f"http://{stack['gateway'].address}/metrics"):
+        for family in text_string_to_metric_families(httpx.get(url, timeout=10).text):
+            # A labelled counter nothing incremented yet has no samples, only its family.
+            exported |= {family.name, f"{family.name}_total"} if family.type == "counter" else {family.name}
+            exported |= {sample.name for sample in family.samples}
+    dashboard = json.loads((Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "microserving.json").read_text())
+    queried = {name for panel in dashboard["panels"] for target in panel["targets"]
+               for name in re.findall(r"microserving_[a-z_]+", target["expr"])}
+    assert queried and queried <= exported, sorted(queried - exported)
