@@ -15,7 +15,9 @@ from pydantic import ValidationError
 
 from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
+from microserving import tracing
 from microserving.tokenizer import MODEL_HELP
+from microserving.tracing import configure_logging
 
 logger = logging.getLogger("engine_shim")
 
@@ -26,6 +28,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--model", str, MODEL_HELP),
     ("--host", str, "interface to bind (default 127.0.0.1)"),
     ("--port", int, "gRPC port; 0 picks a free one (the bound port is printed)"),
+    ("--metrics-port", int, "HTTP port of Prometheus /metrics; 0 picks a free one (default: none)"),
     ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),
     ("--device", str, "cpu | cuda | cuda:N (embedded)"),
     ("--role", str, "prefill | decode | both"),
@@ -102,6 +105,8 @@ async def run(settings: ShimSettings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await server.start()
+    if server.metrics_server is not None:
+        print(f"microserving shim metrics on http://{settings.host}:{server.metrics_server.port}/metrics", flush=True)
     print(f"microserving shim listening on {server.address}", flush=True)
     logger.info("serving %s (%s backend) on %s", settings.model, settings.backend, server.address)
     stopped = asyncio.ensure_future(stop.wait())
@@ -126,9 +131,8 @@ def main(argv: list[str]) -> int:
     except ValidationError as error:
         print(f"microserving shim: invalid settings:\n{error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
-    )
+    configure_logging(settings.log_level)
+    tracing.configure("shim")
     if settings.tune_malloc:
         tune_for_large_buffers()
     return _loop_runner(settings.backend)(run(settings))

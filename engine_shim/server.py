@@ -4,18 +4,21 @@ loaded and warm) and drain on shutdown (NOT_SERVING, then `server.stop(grace)`).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 
 from engine_shim.backend import Backend
 from engine_shim.kv_receiver import KV_TRANSFER_SERVICE
+from engine_shim.metrics import ShimMetrics
 from engine_shim.requests import RequestTracker
 from engine_shim.servicer import EngineServicer
 from engine_shim.settings import ShimSettings
+from microserving.metrics import MetricsServer, serve_metrics
+from microserving.reflection import enable_server_reflection
 from microserving.transport import add_port, create_server
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -53,6 +56,8 @@ class ShimServer:
             stream_interval_s=settings.stream_interval_ms / 1e3,
             stream_updates_per_s=settings.stream_updates_per_s,
         )
+        self.metrics = ShimMetrics(self.backend, settings.role)
+        self.metrics_server: MetricsServer | None = None
         self._server: aio.Server | None = None
         self._service_names = ["", ENGINE_SERVICE]
         self.port = 0
@@ -73,7 +78,7 @@ class ShimServer:
             *self._service_names[1:],
             health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
         ]
-        reflection.enable_server_reflection([*names, reflection.SERVICE_NAME], server)
+        enable_server_reflection(names, server)
         return server
 
     async def _set_health(
@@ -90,6 +95,10 @@ class ShimServer:
         )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         await self._server.start()
+        self.metrics.bind(asyncio.get_running_loop())
+        if self.settings.metrics_port is not None:
+            self.metrics_server = serve_metrics(self.metrics.registry, self.settings.host,
+                                                self.settings.metrics_port)
         await self.backend.start(self.settings.advertise_address or self.address)
         self.servicer.is_ready = True
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -103,3 +112,5 @@ class ShimServer:
         if self._server is not None:
             await self._server.stop(grace)
         await self.backend.shutdown()
+        if self.metrics_server is not None:
+            self.metrics_server.stop()

@@ -19,6 +19,7 @@ from engine_shim.engine.api import GenerateOutput, SamplingParams, UnavailableEr
 from engine_shim.errors import map_errors
 from engine_shim.multiplex import GenerateMultiplexer
 from engine_shim.requests import RequestTracker
+from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
 
 
@@ -66,7 +67,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._tracker.begin_prep_recv(request.request_id)
         reserved_end: int | None = None
         try:
-            reservation = await self._backend.prep_recv(request.request_id, tokens, end, sampling)
+            with _span("shim.prep_recv", request.request_id, tracing.from_metadata(context.invocation_metadata())):
+                reservation = await self._backend.prep_recv(request.request_id, tokens, end, sampling)
             reserved_end = reservation.end
         finally:
             self._tracker.end_prep_recv(request.request_id, reserved_end)
@@ -85,15 +87,17 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         validation.check_kv_addr_info(request.kv_addr_info)
         self._tracker.begin_remote_send(request.request_id)
         try:
-            result = await self._backend.remote_send(
-                request.request_id,
-                tokens,
-                begin,
-                end,
-                request.kv_addr_info,
-                request.recv_rank,
-                sampling,
-            )
+            with _span("shim.remote_send", request.request_id,
+                       tracing.from_metadata(context.invocation_metadata())):
+                result = await self._backend.remote_send(
+                    request.request_id,
+                    tokens,
+                    begin,
+                    end,
+                    request.kv_addr_info,
+                    request.recv_rank,
+                    sampling,
+                )
         finally:
             self._tracker.end_remote_send(request.request_id)
         return send_result_to_pb(result)
@@ -131,7 +135,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         begin = validation.start_generate_begin(request.begin, len(tokens))
         self._tracker.begin_generate(request.request_id, begin)
         try:
-            await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output)
+            with _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)):
+                await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output)
         finally:
             self._tracker.end_generate(request.request_id)
 
@@ -143,6 +148,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin = validation.start_generate_begin(request.begin, len(tokens))
         self._tracker.begin_generate(request.request_id, begin)
+        span = _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)).start()
         try:
             outputs = self._backend.generate(request.request_id, tokens, begin, sampling)
             try:
@@ -151,6 +157,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             finally:
                 await outputs.aclose()  # type: ignore[attr-defined]
         finally:
+            span.end()
             self._tracker.end_generate(request.request_id)
 
     @map_errors
@@ -178,3 +185,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             role=self._role,
             is_draining=self.is_draining,
         )
+
+
+def _span(name: str, request_id: str, traceparent: str) -> tracing.Span:
+    return tracing.Span(name, traceparent, {"microserving.engine_request_id": request_id})

@@ -27,6 +27,10 @@ class ShimSettings(BaseSettings):
     model: str = Field("tiny", description="Model preset name or local Hugging Face directory.")
     host: str = Field("127.0.0.1", description="Interface the gRPC server binds.")
     port: int = Field(50051, ge=0, le=65535, description="gRPC port; 0 picks a free one.")
+    metrics_port: int | None = Field(
+        None, ge=0, le=65535,
+        description="HTTP port of Prometheus /metrics (on host); 0 picks a free one; unset: none.",
+    )
     advertise_address: str | None = Field(
         None,
         description="host:port peers use to push KV to this shim (default: host and bound port).",

@@ -12,9 +12,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
+from gateway.request_id import RequestIdMiddleware
 from gateway.routes import api, ops
 from gateway.settings import GatewaySettings, settings_from_worker_env
 from gateway.state import GatewayState
+from microserving import tracing
 
 
 class RequestMetricsMiddleware:
@@ -64,6 +66,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=settings.max_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    app.add_middleware(RequestIdMiddleware)
+    tracing.configure("gateway")
     return app
 
 

@@ -7,7 +7,6 @@ Binds its socket itself so that `--port 0` works, and prints the bound address a
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import socket
 import sys
@@ -26,6 +25,7 @@ from gateway.settings import (
     reject_unknown_env,
     worker_settings_json,
 )
+from microserving.tracing import configure_logging
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -93,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError) as error:
         print(f"microserving gateway: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     try:
         sock = bind_socket(settings.host, settings.port)
     except OSError as error:

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from microserving.metrics import LATENCY_BUCKETS_S
+
 if TYPE_CHECKING:
     from gateway.errors import GatewayError
 
-_LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                      10.0, 30.0, 60.0)
 
 
 class GatewayMetrics:
@@ -32,11 +32,14 @@ class GatewayMetrics:
         self.time_to_first_token_s = Histogram(
             "microserving_gateway_time_to_first_token_seconds",
             "Seconds from request arrival to the first generated text.",
-            buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
         self.inter_token_latency_s = Histogram(
             "microserving_gateway_inter_token_latency_seconds",
             "Seconds between consecutive deltas of one choice.",
-            buckets=_LATENCY_BUCKETS_S, registry=self.registry)
+            buckets=LATENCY_BUCKETS_S, registry=self.registry)
+        self.finish_reasons = Counter(
+            "microserving_gateway_finish_reasons", "Finished choices by OpenAI finish_reason.",
+            ["reason"], registry=self.registry)
         self.prompt_tokens = Counter(
             "microserving_gateway_prompt_tokens", "Prompt tokens of finished requests.",
             registry=self.registry)

@@ -54,6 +54,9 @@ _CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
+    # A name resolving to several routers (a Kubernetes headless Service) spreads the shared
+    # calls over all of them; one address: the same as pick-first.
+    ("grpc.lb_policy_name", "round_robin"),
 )
 
 T = TypeVar("T")

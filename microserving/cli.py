@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
+import importlib.util
 import sys
 
 # subcommand -> (module, one-line help)
@@ -28,6 +29,24 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+# subcommand -> (a module it needs, the extra that installs it)
+_NEEDS = {
+    "shim": ("torch", "engine"), "mlc-compat": ("torch", "engine"), "up": ("torch", "engine"),
+    "bench": ("aiohttp", "bench"),
+}
+
+
+def _missing_extra(name: str) -> str | None:
+    """A message when the subcommand needs an extra that is not installed (the control
+    plane installs without torch)."""
+    if name not in _NEEDS:
+        return None
+    module, extra = _NEEDS[name]
+    if importlib.util.find_spec(module) is not None:
+        return None
+    return f"needs {module}: pip install 'microserving-grpc[{extra}]'"
+
+
 def _usage() -> str:
     lines = ["usage: microserving [--version] <command> [options]", "", "commands:"]
     lines += [f"  {name:<11} {help_}" for name, (_, help_) in SUBCOMMANDS.items()]
@@ -45,6 +64,10 @@ def main(argv: list[str] | None = None) -> int:
     name, rest = args[0], args[1:]
     if name not in SUBCOMMANDS:
         print(f"microserving: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    missing = _missing_extra(name)
+    if missing is not None:
+        print(f"microserving {name}: {missing}", file=sys.stderr)
         return 2
     module = importlib.import_module(SUBCOMMANDS[name][0])
     result = module.main(rest)

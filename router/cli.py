@@ -6,14 +6,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import logging
 import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pydantic import ValidationError
 
+from microserving import tracing
 from microserving.tokenizer import MODEL_HELP
+from microserving.tracing import configure_logging
 from router.router import Router
 from router.router_class import load_router_class
 from router.server import serve_forever
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model-id", help="id clients pass as model (default: from --model)")
     add("--host", help="address to bind (default 127.0.0.1)")
     add("--port", type=int, help="gRPC port; 0 picks a free one (default 50051)")
+    add("--metrics-port", type=int, help="HTTP port of Prometheus /metrics; 0 picks a free one (default: none)")
     add("--health-interval-s", type=float, help="seconds between health/status polls per engine")
     add("--first-token-timeout-s", type=float, help="deadline for an engine's first streamed message")
     add("--inter-token-timeout-s", type=float, help="deadline between an engine's streamed messages")
@@ -78,7 +80,8 @@ def _loop_runner(event_loop: str) -> Callable[[Coroutine[Any, Any, None]], None]
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(args.log_level)
+    tracing.configure("router")
     overrides: dict[str, Any] = {
         key: value for key, value in vars(args).items()
         if value is not None and key not in ("config", "log_level")

@@ -20,6 +20,7 @@ class RequestContext:
     # a StartGenerate call.
     use_engine_stream: bool = False
     cache_salt: str = ""  # the request's prefix-cache scope (SamplingParams.cache_salt)
+    traceparent: str = ""  # W3C trace context the attempt's engine calls carry
 
     def touch(self, address: str) -> None:
         self.touched[address] = None

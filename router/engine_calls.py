@@ -11,12 +11,14 @@ pydantic requests and call the same functions.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import grpc
 
+from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2
 from router.endpoint import (
     STAGE_DECODE,
@@ -26,6 +28,8 @@ from router.endpoint import (
     Endpoint,
 )
 from router.engine_stream import StreamedDecode
+from router.metrics import RouterMetrics
+from router.policies import normalise_end
 
 if TYPE_CHECKING:
     from router.router import Router
@@ -54,11 +58,14 @@ async def prep_recv(router: Router, endpoint: Endpoint, job: EngineJob, end: int
     message = engine_pb2.PrepRecvRequest(
         request_id=job.request_id, token_ids=job.token_ids, end=end, sampling=job.sampling
     )
+    started_s = time.perf_counter()
     try:
-        with endpoint.track(STAGE_PREP_RECV):
-            reply = await endpoint.stub.PrepRecv(message, timeout=router.settings.prep_recv_timeout_s)
+        with endpoint.track(STAGE_PREP_RECV), _span("prep_recv", endpoint, job, ctx.traceparent) as span:
+            reply = await endpoint.stub.PrepRecv(message, timeout=router.settings.prep_recv_timeout_s,
+                                                 metadata=tracing.metadata(span.traceparent))
     except grpc.aio.AioRpcError as exc:
         raise router.call_failed(exc, endpoint.address, "prep_recv") from exc
+    router.metrics.engine_call_s.labels(endpoint.address, "prep_recv").observe(time.perf_counter() - started_s)
     if endpoint.address not in ctx.reservations:
         ctx.reservations.add(endpoint.address)
         endpoint.acquire(STAGE_RESERVED)
@@ -70,16 +77,48 @@ async def remote_send(
     recv_rank: int,
 ) -> None:
     """RemoteSend on the sender; returns once the KV reached the receiver."""
-    router.context(job.request_id).touch(endpoint.address)
+    ctx = router.context(job.request_id)
+    ctx.touch(endpoint.address)
     message = engine_pb2.RemoteSendRequest(
         request_id=job.request_id, token_ids=job.token_ids, begin=begin, end=end,
         kv_addr_info=kv_addr_info, recv_rank=recv_rank, sampling=job.sampling,
     )
+    started_s = time.perf_counter()
     try:
-        with endpoint.track(STAGE_REMOTE_SEND):
-            await endpoint.stub.RemoteSend(message, timeout=router.settings.remote_send_timeout_s)
+        with endpoint.track(STAGE_REMOTE_SEND), _span("remote_send", endpoint, job, ctx.traceparent) as span:
+            await endpoint.stub.RemoteSend(message, timeout=router.settings.remote_send_timeout_s,
+                                           metadata=tracing.metadata(span.traceparent))
     except grpc.aio.AioRpcError as exc:
         raise router.call_failed(exc, endpoint.address, "remote_send") from exc
+    num_tokens = normalise_end(end, len(job.token_ids)) - begin
+    observe_remote_send(router.metrics, endpoint, num_tokens, time.perf_counter() - started_s)
+
+
+def _span(call: str, endpoint: Endpoint, job: EngineJob, traceparent: str) -> tracing.Span:
+    return tracing.Span(f"router.{call}", traceparent, {
+        "microserving.engine": endpoint.address, "microserving.engine_request_id": job.request_id})
+
+
+# Bytes of one element of a KV dtype an engine reports.
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+
+def observe_remote_send(metrics: RouterMetrics, sender: Endpoint, num_tokens: int, elapsed_s: float) -> None:
+    """A RemoteSend's duration and the KV it moved: tokens x the sender's KV bytes per token
+    (2 x layers x KV heads x head size x dtype bytes, from its last status)."""
+    address = sender.address
+    metrics.engine_call_s.labels(address, "remote_send").observe(elapsed_s)
+    if num_tokens <= 0:
+        return
+    metrics.kv_transfer_tokens.labels(address).inc(num_tokens)
+    layout = sender.status.kv_layout if sender.status is not None else None
+    element_bytes = _DTYPE_BYTES.get(layout.dtype, 0) if layout is not None else 0
+    if layout is None or not element_bytes:
+        return  # e.g. an MLC engine, which does not report its layout
+    num_bytes = num_tokens * 2 * layout.num_layers * layout.num_kv_heads * layout.head_dim * element_bytes
+    metrics.kv_transfer_bytes.labels(address).inc(num_bytes)
+    if elapsed_s > 0:
+        metrics.kv_transfer_rate.labels(address).observe(num_bytes / elapsed_s)
 
 
 def decode(router: Router, endpoint: Endpoint, job: EngineJob, begin: int) -> Decode:
@@ -94,7 +133,8 @@ def decode(router: Router, endpoint: Endpoint, job: EngineJob, begin: int) -> De
         ctx.reservations.discard(endpoint.address)
         endpoint.release(STAGE_RESERVED)
     message = engine_pb2.StartGenerateRequest(
-        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling
+        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling,
+        traceparent=ctx.traceparent,
     )
     return StreamedDecode(router, endpoint, stream, message)
 
@@ -110,7 +150,8 @@ async def start_generate(
         ctx.reservations.discard(endpoint.address)
         endpoint.release(STAGE_RESERVED)
     message = engine_pb2.StartGenerateRequest(
-        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling
+        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling,
+        traceparent=ctx.traceparent,
     )
     endpoint.acquire(STAGE_DECODE)
     call = endpoint.stub.StartGenerate(message)

@@ -11,6 +11,8 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 
+from prometheus_client import Gauge
+
 from microserving.v1 import engine_pb2
 from router.endpoint import Endpoint
 from router.errors import OverloadedError
@@ -38,14 +40,26 @@ def _is_full(status: engine_pb2.GetStatusResponse | None, num_tokens: int) -> bo
 
 
 async def wait_for_room(candidates: Callable[[], Sequence[Endpoint]], num_tokens: int,
-                        max_wait_s: float) -> None:
+                        max_wait_s: float, waiting: Gauge | None = None) -> None:
     """Returns as soon as a candidate is not full (or there is none: the pattern then says
-    which role is missing); raises OverloadedError after `max_wait_s`."""
-    deadline_s = time.monotonic() + max_wait_s
-    while True:
-        engines = candidates()
-        if not engines or not all(is_full(e, num_tokens) for e in engines):
-            return
-        if time.monotonic() >= deadline_s:
-            raise OverloadedError("every engine's KV cache is full; retry later")
-        await asyncio.sleep(_POLL_S)
+    which role is missing); raises OverloadedError after `max_wait_s`. `waiting` counts the
+    requests inside the wait (never touched when there is room at once)."""
+    if _has_room(candidates(), num_tokens):
+        return
+    if waiting is not None:
+        waiting.inc()
+    try:
+        deadline_s = time.monotonic() + max_wait_s
+        while True:
+            if time.monotonic() >= deadline_s:
+                raise OverloadedError("every engine's KV cache is full; retry later")
+            await asyncio.sleep(_POLL_S)
+            if _has_room(candidates(), num_tokens):
+                return
+    finally:
+        if waiting is not None:
+            waiting.dec()
+
+
+def _has_room(engines: Sequence[Endpoint], num_tokens: int) -> bool:
+    return not engines or not all(is_full(e, num_tokens) for e in engines)

@@ -37,8 +37,13 @@ _PATTERN_NAMES = {
 }
 
 
+def pattern_name(router: Router, hints: router_pb2.PatternHints) -> str:
+    """The built-in pattern a request runs: its hint, else the router's default."""
+    return _PATTERN_NAMES.get(hints.pattern, router.router_mode)
+
+
 def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
-    name = _PATTERN_NAMES.get(ctx.hints.pattern, router.router_mode)
+    name = pattern_name(router, ctx.hints)
     if name == "round-robin":
         return round_robin
     if name == "disagg":

@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 
 from microserving.tokenizer import Tokenizer
-from microserving.v1 import common_pb2, engine_pb2
+from microserving.v1 import common_pb2, engine_pb2, router_pb2
 from router import engine_calls, kv_room, patterns
 from router.context import RequestContext
 from router.conversions import engine_to_completion, request_to_sampling
@@ -32,6 +32,7 @@ from router.endpoint import DECODE, PREFILL, STAGE_RESERVED, Endpoint
 from router.engine_calls import EngineJob
 from router.engine_stream import EngineStream, StreamedDecode
 from router.errors import EngineCallError, InvalidRequestError, NoEngineError
+from router.metrics import RouterMetrics
 from router.microserving_protocol import PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.policies import AdaptivePolicy, pick_cache_aware, pick_least_loaded
@@ -102,6 +103,7 @@ class Router:
             gpus = settings.engine_num_gpus[i] if i < len(settings.engine_num_gpus) else 1
             self.registry.add(parsed.address, parsed.roles, num_gpus=gpus)
         self.registry.add_listener(self._on_health_change)
+        self.metrics = RouterMetrics(lambda: self.registry.endpoints)
         self.prefix_index = PrefixIndex(settings.cache_page_size, settings.cache_max_pages_per_engine)
         self.adaptive_policy = AdaptivePolicy(
             min_remote_tokens=settings.adaptive_min_remote_tokens,
@@ -129,7 +131,8 @@ class Router:
         await self.registry.stop()
 
     def _on_health_change(self, endpoint: Endpoint, previous: int) -> None:
-        del previous
+        if previous == router_pb2.ENGINE_HEALTH_SERVING and not endpoint.is_available:
+            self.metrics.failovers.labels(engine=endpoint.address).inc()
         if not endpoint.is_available:
             self.prefix_index.forget(endpoint.address)  # it may come back with an empty cache
 
@@ -246,6 +249,7 @@ class Router:
         the runner handles; an engine at fault leaves rotation."""
         error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage,
                                 detail=detail)
+        self.metrics.engine_call_failures.labels(engine=address, call=stage, code=code.name).inc()
         if error.is_engine_fault:
             self.registry.mark_failed(address)
         logger.info("%s on %s failed: %s %s", stage, address, code.name, detail)
@@ -308,7 +312,7 @@ class Router:
         """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
         await kv_room.wait_for_room(
             lambda: self.registry.candidates(DECODE, exclude=ctx.excluded), len(job.token_ids),
-            self.settings.kv_full_wait_s)
+            self.settings.kv_full_wait_s, waiting=self.metrics.queued)
         return await patterns.pattern_for(self, ctx)(self, job, ctx)
 
     # ---- context migration ----

@@ -21,11 +21,13 @@ import contextlib
 import enum
 import functools
 import logging
+import time
 import uuid
 from collections.abc import AsyncGenerator, Iterable
 
 import grpc
 
+from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2, router_pb2
 from router import patterns
 from router.context import RequestContext
@@ -57,8 +59,11 @@ class _Outcome(enum.Enum):
 
 
 class RequestRunner:
-    def __init__(self, router: Router, prepared: PreparedRequest, outbox: Outbox) -> None:
+    def __init__(self, router: Router, prepared: PreparedRequest, outbox: Outbox,
+                 arrived_s: float | None = None, span: tracing.Span | None = None) -> None:
         self._router = router
+        self._arrived_s = time.perf_counter() if arrived_s is None else arrived_s  # perf_counter
+        self._first_output_s = 0.0  # when the first engine output arrived (0: none yet)
         self._prepared = prepared
         self._outbox = outbox
         sampling = prepared.sampling
@@ -72,6 +77,11 @@ class RequestRunner:
         self._transferred_tokens = 0
         self._engine_completion: int | None = None
         self._id_base = uuid.uuid4().hex
+        self._traceparent = span.traceparent if span is not None else ""
+        if span is not None:
+            span.set_attribute("microserving.engine_request_id_base", self._id_base)
+        # The id mapping, once per request: client's id -> the engines' ids (one per attempt).
+        logger.debug("request %s: engine request ids %s-<attempt>", prepared.request_id, self._id_base)
         self._engines: list[str] = []
 
     @property
@@ -80,14 +90,17 @@ class RequestRunner:
 
     async def run(self) -> None:
         rid = self._prepared.request_id
+        outcome = "error"
         try:
             if self._prepared.echo:
                 prompt = router_pb2.PromptInfo(token_ids=self._prepared.token_ids, text=self._prepared.prompt_text)
                 self._outbox.put(rid, prompt=prompt)
             await self._run_attempts()
             self._emit_done()
+            outcome = "done"
         except asyncio.CancelledError:
             self._emit_done(cancelled=True)  # the client cancelled this request
+            outcome = "cancelled"
         except RouterError as exc:
             self._emit_error(*exc.client_view())
         except Exception:
@@ -95,6 +108,24 @@ class RequestRunner:
             self._emit_error(grpc.StatusCode.INTERNAL, "internal router error", "")
         finally:
             self._outbox.seal(rid, self._num_choices)
+            self._observe(outcome)
+
+    def _observe(self, outcome: str) -> None:
+        """The request's metrics, once at its end: outcome, latency, TTFT and mean ITL."""
+        metrics = self._router.metrics
+        now_s = time.perf_counter()
+        pattern = (patterns.pattern_name(self._router, self._prepared.hints)
+                   if self._router.uses_builtin_patterns else "custom")
+        metrics.requests.labels(pattern, outcome).inc()
+        metrics.e2e_latency_s.labels(pattern).observe(now_s - self._arrived_s)
+        if not self._first_output_s:
+            return
+        engine = self._engines[0] if self._engines else "unknown"  # the decode engine
+        metrics.time_to_first_token_s.labels(pattern, engine).observe(self._first_output_s - self._arrived_s)
+        num_tokens = max(len(ids) for ids in self._streamed)  # of the longest choice
+        if num_tokens > 1:
+            mean_itl_s = (now_s - self._first_output_s) / (num_tokens - 1)
+            metrics.inter_token_latency_s.labels(pattern, engine).observe(mean_itl_s)
 
     async def _run_attempts(self) -> None:
         settings = self._router.settings
@@ -104,7 +135,8 @@ class RequestRunner:
         while True:
             ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
                                  hints=self._prepared.hints, excluded=set(excluded),
-                                 cache_salt=self._prepared.sampling.cache_salt)
+                                 cache_salt=self._prepared.sampling.cache_salt,
+                                 traceparent=self._traceparent)
             try:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
@@ -118,6 +150,8 @@ class RequestRunner:
                 if not exc.is_retryable or num_failures >= settings.max_attempts or not self._can_resume():
                     raise
                 excluded.add(exc.address)
+                failed_over = self._router.metrics.resumes if self.num_streamed else self._router.metrics.retries
+                failed_over.labels(exc.address).inc()
                 if self._is_complete():
                     return
                 # Before the first token this is a plain retry; after it, the next attempt
@@ -135,6 +169,7 @@ class RequestRunner:
                 return
             await _abort(self._router, ctx)
             num_preempts += 1
+            self._router.metrics.preemptions.inc()
             if num_preempts > settings.max_preempt_retries:
                 raise PreemptedTooOftenError("the request was preempted too often; try again later")
             if self.num_streamed and self._num_choices > 1:
@@ -214,6 +249,8 @@ class RequestRunner:
         unless a resume has the router decode the text. -> an outcome when the attempt ends
         here (preempt, or a stop string across the resume point), else None."""
         rid = self._prepared.request_id
+        if not self._first_output_s:  # one float test per engine message, for TTFT
+            self._first_output_s = time.perf_counter()
         for delta in message.choices:
             reason = delta.finish_reason
             if reason == common_pb2.FINISH_REASON_PREEMPT:
@@ -240,6 +277,8 @@ class RequestRunner:
         """A custom translate_request's CompletionResponse chunks."""
         async with contextlib.aclosing(generator):
             async for response in generator:
+                if not self._first_output_s:
+                    self._first_output_s = time.perf_counter()
                 if response is None:
                     return _Outcome.PREEMPTED
                 for choice in response.choices:

@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
+from microserving.metrics import serve_metrics
+from microserving.reflection import enable_server_reflection
 from microserving.transport import add_port, create_server
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.endpoint import DECODE, PREFILL, Endpoint
@@ -49,9 +50,7 @@ async def start_router(router: Router, host: str, port: int) -> RunningRouter:
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(router), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (ROUTER_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    enable_server_reflection((ROUTER_SERVICE, health.SERVICE_NAME), server)
     bound = add_port(server, f"{host}:{port}", settings.transport)
     loop = asyncio.get_running_loop()
 
@@ -72,6 +71,10 @@ async def start_router(router: Router, host: str, port: int) -> RunningRouter:
 async def serve_forever(router: Router, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, printing the bound address once serving."""
     running = await start_router(router, host, port)
+    metrics_port = router.settings.metrics_port
+    metrics = None if metrics_port is None else serve_metrics(router.metrics.registry, host, metrics_port)
+    if metrics is not None:
+        print(f"microserving router metrics on http://{host}:{metrics.port}/metrics", flush=True)
     print(f"microserving router listening on {host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -80,3 +83,5 @@ async def serve_forever(router: Router, host: str, port: int) -> None:
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await running.stop()
+    if metrics is not None:
+        metrics.stop()

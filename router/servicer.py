@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
 from grpc import aio
 
+from microserving import tracing
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.errors import InvalidRequestError, OverloadedError, RouterError
 from router.inputs import prepare_off_loop
@@ -141,7 +143,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             _put_error(outbox, new.request_id, OverloadedError(
                 f"the router has {limit} requests in flight, its limit; retry later"))
             return
+        arrived_s = time.perf_counter()
         self._num_inflight += 1
+        router.metrics.inflight.inc()
+        span = tracing.Span("router.request", tracing.valid_traceparent(new.traceparent),
+                            {"microserving.request_id": new.request_id}).start()
         try:
             try:
                 prepared = await prepare_off_loop(new, router.tokenizer, router.model_id,
@@ -149,9 +155,11 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             except RouterError as exc:
                 _put_error(outbox, new.request_id, exc)
                 return
-            await RequestRunner(router, prepared, outbox).run()
+            await RequestRunner(router, prepared, outbox, arrived_s, span).run()
         finally:
+            span.end()
             self._num_inflight -= 1
+            router.metrics.inflight.dec()
 
     @_map_errors
     async def ListModels(

@@ -54,6 +54,10 @@ class RouterSettings(BaseSettings):
     model_id: str | None = Field(default=None, description="Id clients pass as `model`; default from --model.")
     host: str = Field(default="127.0.0.1", description="Address to bind.")
     port: int = Field(default=50051, ge=0, le=65535, description="Port to bind; 0 picks a free one.")
+    metrics_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="HTTP port of Prometheus /metrics (on host); 0 picks a free one; unset: no endpoint.",
+    )
 
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
         default="auto", description="Event loop: uvloop when installed ('auto'), or force one."

@@ -190,6 +190,19 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True)
+class EngineCounters:
+    """Lifetime counters of an engine's work, for its metrics (kept per step, never per
+    token): steps run and their summed wall time, tokens sampled, preemptions, and the KV
+    pages PrepRecv reservations hold now."""
+
+    num_steps: int
+    step_time_s: float
+    num_sampled_tokens: int
+    num_preemptions: int
+    num_reserved_pages: int
+
+
+@dataclass(frozen=True)
 class EngineStatus:
     model_id: str
     model_fingerprint: str
@@ -201,3 +214,4 @@ class EngineStatus:
     num_reserved_requests: int  # prep_recv reservations awaiting start_generate
     max_context_length: int
     prefix_cache: PrefixCacheStats
+    counters: EngineCounters | None = None  # None: the backend does not count (MLC)

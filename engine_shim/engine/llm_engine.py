@@ -23,6 +23,7 @@ from microserving.tokenizer import Tokenizer
 from . import validation
 from .api import (
     AlreadyExistsError,
+    EngineCounters,
     EngineStatus,
     FinishReason,
     GenerateOutput,
@@ -110,6 +111,9 @@ class LLMEngine:
         self.num_chained_steps = 0  # decode steps launched by _launch_chained (for tests, benches)
         self._deferred: dict[str, GenerateRequest] = {}
         self._next_seq_id = 0
+        self.num_steps = 0
+        self.step_time_s = 0.0  # summed wall time of step()
+        self.num_sampled_tokens = 0
         self._rng = torch.Generator().manual_seed(config.seed)
 
     # ---- facts ----
@@ -305,6 +309,14 @@ class LLMEngine:
 
     # ---- the step ----
     def step(self) -> list[EngineEvent]:
+        """One engine step (`_step`), timed and counted for the engine's metrics."""
+        started_s = time.perf_counter()
+        events = self._step()
+        self.step_time_s += time.perf_counter() - started_s
+        self.num_steps += 1
+        return events
+
+    def _step(self) -> list[EngineEvent]:
         """One engine step. With overlap_steps, a step collects the tokens of the forward the
         previous step launched, schedules and launches the next forward, and decodes the
         collected tokens' text while the device runs it; the events of a forward are
@@ -435,6 +447,7 @@ class LLMEngine:
         for row, request, _ in rows:
             plain[row] = is_plain_greedy(request.sampling)
         result.prepare(plain)
+        self.num_sampled_tokens += len(rows)
         touched: dict[str, GenerateRequest] = {}
         for row, request, seq in rows:
             touched[request.request_id] = request
@@ -599,6 +612,12 @@ class LLMEngine:
             num_reserved_requests=len(self.disaggregation.reservations),
             max_context_length=self.max_context_length,
             prefix_cache=self.block_manager.prefix_cache_stats(),
+            counters=EngineCounters(
+                num_steps=self.num_steps, step_time_s=self.step_time_s,
+                num_sampled_tokens=self.num_sampled_tokens,
+                num_preemptions=self.scheduler.num_preemptions,
+                num_reserved_pages=sum(len(r.block_table) for r in self._reservations.values()),
+            ),
         )
 
     # ---- conveniences for tests and benchmarks ----

@@ -3,6 +3,7 @@ complete, with admission, cancellation on disconnect and SSE error reporting in 
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from abc import ABC, abstractmethod
@@ -24,7 +25,10 @@ from gateway.serving.disconnect import ClientDisconnected, RelayResponse, run_un
 from gateway.serving.events import Event, UsageTotals, relay
 from gateway.sse import DONE_EVENT, encode_event
 from gateway.tenancy import bearer_key, cache_salt
+from microserving import tracing
 from microserving.v1 import router_pb2
+
+logger = logging.getLogger(__name__)
 
 RequestT = TypeVar("RequestT", bound=SamplingFields)
 # Batches of events (what arrived since the handler last looked), then the usage totals.
@@ -104,12 +108,17 @@ class GenerationServing(ABC, Generic[RequestT]):
         for router_request in router_requests:
             router_request.sampling.cache_salt = salt
         started_s = time.perf_counter()
+        span = self._trace(http_request, response_id, router_requests)
         num_choices = sum(r.sampling.n or 1 for r in router_requests)
-        units = self.context.admission.acquire(num_choices)
+        try:
+            units = self.context.admission.acquire(num_choices)
+        except BaseException as error:
+            span.end(error)
+            raise
         self.context.metrics.inflight.inc()
         stream = self.context.router.open_stream()
         cleanup = Once(stream.close, lambda: self.context.admission.release(units),
-                       self.context.metrics.inflight.dec)
+                       self.context.metrics.inflight.dec, span.end)
         events = relay(stream, router_requests, request.n, self.context.metrics, started_s)
         try:
             if request.stream:
@@ -125,6 +134,23 @@ class GenerationServing(ABC, Generic[RequestT]):
         finally:
             if not request.stream:
                 cleanup()
+
+    def _trace(self, http_request: Request, response_id: str,
+               router_requests: list[router_pb2.NewRequest]) -> tracing.Span:
+        """The request's hop in its trace (from the client's traceparent header, else a new
+        trace); each router request carries it on. The id mapping is logged once."""
+        parent = tracing.valid_traceparent(http_request.headers.get(tracing.TRACEPARENT_KEY))
+        if not parent and not tracing.is_enabled():
+            parent = tracing.new_traceparent()  # one trace id for every service's log lines
+        client_id = getattr(http_request.state, "request_id", "")
+        span = tracing.Span(f"gateway {http_request.url.path}", parent, {
+            "microserving.request_id": client_id, "microserving.response_id": response_id}).start()
+        for router_request in router_requests:
+            router_request.traceparent = span.traceparent
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s (%s): router request ids %s", client_id, response_id,
+                         [r.request_id for r in router_requests])
+        return span
 
     async def _start_stream(self, request: RequestT, response_id: str, events: RouterEvents,
                             cleanup: Once, http_request: Request) -> Response:

@@ -108,7 +108,9 @@ class RelayState:
         if index in self.finished:
             return None
         self.finished.add(index)
-        return DeltaEvent(index, "", (), (), finish_reason_text(reason))
+        text = finish_reason_text(reason)
+        self.metrics.finish_reasons.labels(text).inc()
+        return DeltaEvent(index, "", (), (), text)
 
     def translate(self, event: router_pb2.GenerateResponse) -> list[Event]:
         prompt_index = self.prompt_of.get(event.request_id)
@@ -139,6 +141,7 @@ class RelayState:
         if delta.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
             self.finished.add(index)
             reason = finish_reason_text(delta.finish_reason)
+            self.metrics.finish_reasons.labels(reason).inc()
         # The message's repeated fields are read in place (no copies on the hot path).
         return [DeltaEvent(index, delta.text, delta.token_ids, delta.logprobs, reason)]
 

@@ -47,6 +47,15 @@ class StackPlan:
     gateway_workers: int = 1
     router_replicas: int = 1
     shim_args: tuple[str, ...] = ()
+    metrics_base_port: int | None = None  # routers' /metrics from here, then the shims'
+
+    def metrics_port(self, service: str, index: int) -> int | None:
+        """The /metrics port of router replica or shim `index` (the gateway serves its own
+        on its HTTP port)."""
+        if self.metrics_base_port is None:
+            return None
+        offset = index if service == "router" else self.router_replicas + index
+        return self.metrics_base_port + offset
 
 
 def default_process_counts(num_cpus: int) -> tuple[int, int]:
@@ -94,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: 1 per 8 CPUs, at most 4)")
     parser.add_argument("--shim-arg", action="append", default=[],
                         help="extra argument for every shim, e.g. --shim-arg=--backend=synthetic")
+    parser.add_argument("--metrics-base-port", type=int,
+                        help="serve Prometheus /metrics of router replica i on this port + i and "
+                             "of shim j on this port + replicas + j (default: none; the gateway's "
+                             "is always on its own port)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0,
                         help="seconds every service together gets to become healthy")
     parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
@@ -155,23 +168,30 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
                      args.grace_s, transport, router_extra, tuple(args.api_key),
-                     gateway_workers, router_replicas, tuple(args.shim_arg) + shim_extra)
+                     gateway_workers, router_replicas, tuple(args.shim_arg) + shim_extra,
+                     args.metrics_base_port)
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
     return [sys.executable, "-m", "microserving.cli", subcommand, *args]
 
 
-def shim_command(plan: StackPlan, role: str) -> list[str]:
+def _metrics_args(port: int | None) -> tuple[str, ...]:
+    return () if port is None else ("--metrics-port", str(port))
+
+
+def shim_command(plan: StackPlan, role: str, index: int = 0) -> list[str]:
     backend = () if any(a.startswith("--backend") for a in plan.shim_args) else ("--backend", "embedded")
     return _command("shim", *backend, "--model", plan.model, "--role", role,
                     "--device", plan.device, "--host", INTERNAL_HOST, "--port", "0",
-                    *plan.shim_args)
+                    *_metrics_args(plan.metrics_port("shim", index)), *plan.shim_args)
 
 
-def router_command(plan: StackPlan, engines: list[tuple[str, str]], port: int | None = None) -> list[str]:
+def router_command(plan: StackPlan, engines: list[tuple[str, str]], port: int | None = None,
+                   index: int = 0) -> list[str]:
     args = ["--pattern", plan.pattern, "--model", plan.model, "--host", INTERNAL_HOST,
-            "--port", str(plan.router_port if port is None else port)]
+            "--port", str(plan.router_port if port is None else port),
+            *_metrics_args(plan.metrics_port("router", index))]
     for address, role in engines:
         args += ["--engine", f"{address}={role}"]
     if plan.pd_balance_factor is not None:
@@ -268,7 +288,7 @@ class Stack:
         plan = self.plan
         check_ports_free(plan)
         deadline_s = time.monotonic() + plan.startup_timeout_s
-        shims = [self.spawn(f"{role}-{i}", shim_command(plan, role), "SHIM")
+        shims = [self.spawn(f"{role}-{i}", shim_command(plan, role, i), "SHIM")
                  for i, role in enumerate(plan.roles)]
 
         def is_serving(address: str) -> bool:
@@ -278,7 +298,7 @@ class Stack:
                    for s, r in zip(shims, plan.roles, strict=True)]
         # The first replica on --router-port, any others on free ports.
         routers = [self.spawn("router" if i == 0 else f"router-{i}",
-                              router_command(plan, engines, None if i == 0 else 0), "ROUTER")
+                              router_command(plan, engines, None if i == 0 else 0, i), "ROUTER")
                    for i in range(plan.router_replicas)]
         router_address = ",".join(self.wait_ready(r, is_serving, deadline_s) for r in routers)
         gateway = self.spawn("gateway", gateway_command(plan, router_address), "GATEWAY")

@@ -200,12 +200,18 @@ class StartGenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     BEGIN_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Id of the request (the same as PrepRecv's, when there was one)."""
     begin: _builtins.int
     """First prompt position this engine computes; KV of prompt[:begin] must already be here
     (from the prefix cache or a transfer). 0 for data-parallel generation. Negative values
     count from the end.
+    """
+    traceparent: _builtins.str
+    """W3C trace context (`traceparent` header value) of the request, for the calls of a
+    multiplexed Engine.Generate stream, which cannot carry per-request gRPC metadata; empty:
+    none. Unary calls carry it as the `traceparent` metadata key instead.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -222,10 +228,11 @@ class StartGenerateRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         begin: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

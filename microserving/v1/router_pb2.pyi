@@ -243,6 +243,7 @@ class NewRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     HINTS_FIELD_NUMBER: _builtins.int
     ECHO_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen id, unique among the active requests of this stream; 1..256 characters."""
     model: _builtins.str
@@ -251,6 +252,11 @@ class NewRequest(_message.Message):
     """Plain text, tokenized by the router (with the model's BOS token where it uses one)."""
     echo: _builtins.bool
     """Send the prompt's token ids and text back in the first message (OpenAI `echo`)."""
+    traceparent: _builtins.str
+    """W3C trace context (`traceparent` header value) of this request: the router's spans and
+    engine calls join that trace (requests of one stream belong to different traces, so it
+    travels per request, not as call metadata); empty: the router starts none of its own.
+    """
     @_builtins.property
     def token_ids(self) -> Global___TokenIds:
         """Token ids, passed to the engines as they are."""
@@ -278,10 +284,11 @@ class NewRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         hints: Global___PatternHints | None = ...,
         echo: _builtins.bool = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "hints", b"hints", "input", b"input", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "echo", b"echo", "hints", b"hints", "input", b"input", "model", b"model", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "echo", b"echo", "hints", b"hints", "input", b"input", "model", b"model", "request_id", b"request_id", "sampling", b"sampling", "text", b"text", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids", "chat"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

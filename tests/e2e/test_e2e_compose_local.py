@@ -30,7 +30,8 @@ from deploy_render import interpolate  # noqa: E402
 
 
 def container_port(service: dict[str, Any]) -> str:
-    return next(v for k, v in service["environment"].items() if k.endswith("_PORT"))
+    return next(v for k, v in service["environment"].items()
+                if k.endswith("_PORT") and not k.endswith("_METRICS_PORT"))
 
 
 def localize(value: str, ports: dict[str, int], services: dict[str, Any]) -> str:
@@ -50,12 +51,15 @@ def start_order(services: dict[str, Any]) -> list[str]:
     return order
 
 
-def service_env(name: str, services: dict[str, Any], ports: dict[str, int]) -> dict[str, str]:
+def service_env(name: str, services: dict[str, Any], ports: dict[str, int],
+                metrics_ports: dict[str, int]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("MICROSERVING_")}
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     for key, value in services[name]["environment"].items():
         if key.endswith("_HOST"):
             value = "127.0.0.1"
+        elif key.endswith("_METRICS_PORT"):
+            value = str(metrics_ports[name])
         elif key.endswith("_PORT"):
             value = str(ports[name])
         env[key] = localize(str(value), ports, services)
@@ -85,6 +89,7 @@ def wait_healthy(name: str, process: subprocess.Popen[bytes], probe: list[str], 
 class ComposeStack:
     base_url: str
     processes: dict[str, subprocess.Popen[bytes]]
+    metrics_urls: dict[str, str]
 
 
 @pytest.fixture(scope="module")
@@ -92,17 +97,21 @@ def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeS
     services: dict[str, Any] = interpolate(
         yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {})["services"]
     ports = {name: free_port() for name in services}
+    metrics_ports = {name: free_port() for name in services}
     logs = tmp_path_factory.mktemp("compose")
     started: dict[str, subprocess.Popen[bytes]] = {}
     try:
         for name in start_order(services):
-            env = service_env(name, services, ports)
+            env = service_env(name, services, ports, metrics_ports)
             argv = [sys.executable, "-m", "microserving.cli", *services[name]["command"]]
             started[name] = subprocess.Popen(argv, env=env, cwd=ROOT, start_new_session=True,
                                              stdout=(logs / f"{name}.log").open("wb"),
                                              stderr=subprocess.STDOUT)
             wait_healthy(name, started[name], healthcheck(name, services, ports), env)
-        yield ComposeStack(f"http://127.0.0.1:{ports['gateway']}/v1", started)
+        metrics_urls = {name: f"http://127.0.0.1:{metrics_ports[name]}/metrics" for name, s in services.items()
+                        if any(k.endswith("_METRICS_PORT") for k in s["environment"])}
+        metrics_urls["gateway"] = f"http://127.0.0.1:{ports['gateway']}/metrics"
+        yield ComposeStack(f"http://127.0.0.1:{ports['gateway']}/v1", started, metrics_urls)
     finally:
         processes = list(started.values())
         for process in reversed(processes):
@@ -125,6 +134,17 @@ def test_compose_services_serve_a_completion_through_the_gateway(
     chat = client.chat.completions.create(model="tiny", max_tokens=4,
                                           messages=[{"role": "user", "content": "Hi"}])
     assert chat.usage is not None and chat.usage.completion_tokens > 0
+
+
+def test_every_compose_service_serves_prometheus_metrics(compose_stack: ComposeStack) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    assert set(compose_stack.metrics_urls) == {"prefill", "decode", "router", "gateway"}
+    for name, url in compose_stack.metrics_urls.items():
+        text = httpx.get(url, timeout=30).text
+        service = "shim" if name in ("prefill", "decode") else name
+        names = {family.name for family in text_string_to_metric_families(text)}
+        assert any(n.startswith(f"microserving_{service}_") for n in names), (name, sorted(names)[:10])
 
 
 def test_losing_the_only_decode_engine_makes_health_and_requests_503(

@@ -1,5 +1,5 @@
 """Test helpers that read the deployment files as a tool would: a minimal kustomize renderer
-(resources, images, JSON6902 patches, labels) and compose-file variable interpolation."""
+(resources, namespace, images, JSON6902 patches, labels) and compose-file variable interpolation."""
 
 from __future__ import annotations
 
@@ -82,6 +82,8 @@ def render_kustomization(folder: Path) -> list[dict[str, Any]]:
         for document in matched:
             apply_json_patch(document, yaml.safe_load(text))
     for document in documents:
+        if "namespace" in spec and document["kind"] != "Namespace":
+            document["metadata"]["namespace"] = spec["namespace"]
         _set_images(document, spec.get("images", []))
         for label in spec.get("labels", []):
             document["metadata"].setdefault("labels", {}).update(label["pairs"])

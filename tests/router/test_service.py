@@ -124,3 +124,30 @@ async def test_router_entry_point_serves_on_port_0(shims) -> None:
         process.terminate()
         process.wait(timeout=20)
     assert process.returncode == 0
+
+
+async def test_reflection_v1_answers_beside_v1alpha(shims) -> None:
+    """grpc.reflection.v1 (what grpcurl and buf curl ask for first): the Python client on the
+    v1 method path, and `buf curl --reflect-protocol grpc-v1` where buf is installed."""
+    router = Router(settings=router_settings([f"{shims[0].address}=both"], pattern="round-robin"))
+    async with running_router(router) as (running, _):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{running.port}") as channel:
+            v1 = channel.stream_stream(
+                "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+                request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+            call = v1(iter([reflection_pb2.ServerReflectionRequest(list_services=""),
+                            reflection_pb2.ServerReflectionRequest(file_containing_symbol="microserving.v1.Router")]))
+            replies = [reply async for reply in call]
+        services = {s.name for s in replies[0].list_services_response.service}
+        assert {"microserving.v1.Router", "grpc.reflection.v1alpha.ServerReflection"} <= services
+        assert replies[1].file_descriptor_response.file_descriptor_proto  # the router.proto file
+        buf = REPO / "tools" / "node_modules" / ".bin" / "buf"
+        if not buf.exists():
+            return
+        listed = await asyncio.to_thread(subprocess.run, [
+            str(buf), "curl", "--protocol", "grpc", "--http2-prior-knowledge", "--reflect-protocol",
+            "grpc-v1", "--list-methods", f"http://127.0.0.1:{running.port}"],
+            capture_output=True, text=True, timeout=60)
+        assert listed.returncode == 0, listed.stderr
+        assert "microserving.v1.Router/Generate" in listed.stdout
