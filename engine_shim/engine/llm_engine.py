@@ -616,7 +616,7 @@ class LLMEngine:
                 num_steps=self.num_steps, step_time_s=self.step_time_s,
                 num_sampled_tokens=self.num_sampled_tokens,
                 num_preemptions=self.scheduler.num_preemptions,
-                num_reserved_pages=sum(len(r.block_table) for r in self._reservations.values()),
+                num_reserved_pages=sum(len(r.block_table) for r in self.disaggregation.reservations.values()),
             ),
         )
 
