@@ -16,6 +16,7 @@ import contextlib
 import logging
 import os
 import queue
+import signal
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -198,6 +199,11 @@ def _child_main(
     conn: Connection,
     log_level: int,
 ) -> None:
+    # The shim stops its core (a STOP call, or EOF when the shim dies): a signal to the whole
+    # process group (a supervisor's SIGTERM, Ctrl-C) must not end the core before the shim
+    # has drained, which would fail the calls in flight as "engine process exited".
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
     try:
         core = _build_core(config, core_factory)
