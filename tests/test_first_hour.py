@@ -63,17 +63,17 @@ def test_up_hands_router_class_and_prefix_cache_to_its_children() -> None:
 
 
 def test_up_gives_each_router_replica_and_shim_a_metrics_port_of_its_own() -> None:
-    plan = gateway.up.plan_from_args(["--engines", "2", "--router-replicas", "2",
+    plan = microserving.stack.up.plan_from_args(["--engines", "2", "--router-replicas", "2",
                                       "--metrics-base-port", "9100"])
 
     def metrics_port(argv: list[str]) -> str:
         return argv[argv.index("--metrics-port") + 1]
 
     engines = [("127.0.0.1:1", "both")]
-    assert [metrics_port(gateway.up.router_command(plan, engines, 0, i)) for i in range(2)] == ["9100", "9101"]
-    assert [metrics_port(gateway.up.shim_command(plan, "both", i)) for i in range(2)] == ["9102", "9103"]
-    plain = gateway.up.plan_from_args(["--engines", "2"])
-    assert "--metrics-port" not in gateway.up.shim_command(plain, "both", 0)
+    assert [metrics_port(microserving.stack.up.router_command(plan, engines, 0, i)) for i in range(2)] == ["9100", "9101"]
+    assert [metrics_port(microserving.stack.up.shim_command(plan, "both", i)) for i in range(2)] == ["9102", "9103"]
+    plain = microserving.stack.up.plan_from_args(["--engines", "2"])
+    assert "--metrics-port" not in microserving.stack.up.shim_command(plain, "both", 0)
 
 
 def test_a_taken_gateway_port_fails_before_any_engine_starts() -> None:
