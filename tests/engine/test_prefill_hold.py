@@ -42,6 +42,16 @@ def _decoding(scheduler: Scheduler, seq: Sequence) -> None:
     assert seq.num_pending_tokens == 1
 
 
+def _one_decoding(clock: _Clock, **options: float) -> tuple[Scheduler, Sequence]:
+    """A scheduler with one sequence decoding and one new prompt (r2) waiting."""
+    scheduler = _scheduler(clock, **options)  # type: ignore[arg-type]
+    first = _seq(1, 20)
+    scheduler.add(first)
+    _decoding(scheduler, first)
+    scheduler.add(_seq(2, 20))
+    return scheduler, first
+
+
 def _admitted(scheduler: Scheduler) -> list[str]:
     out = scheduler.schedule()
     for item in out.scheduled:
@@ -51,11 +61,7 @@ def _admitted(scheduler: Scheduler) -> list[str]:
 
 def test_a_prompt_waits_while_others_decode_until_the_hold_ends() -> None:
     clock = _Clock()
-    scheduler = _scheduler(clock)
-    first = _seq(1, 20)
-    scheduler.add(first)
-    _decoding(scheduler, first)
-    scheduler.add(_seq(2, 20))
+    scheduler, first = _one_decoding(clock)
     clock.now_s += 0.004
     assert _admitted(scheduler) == []  # held: the step stays pure decode
     first.token_ids.append(7)
@@ -71,12 +77,7 @@ def test_an_idle_engine_admits_at_once() -> None:
 
 
 def test_a_full_chunk_of_waiting_prompt_tokens_is_admitted_at_once() -> None:
-    clock = _Clock()
-    scheduler = _scheduler(clock, chunk=32)
-    first = _seq(1, 20)
-    scheduler.add(first)
-    _decoding(scheduler, first)
-    scheduler.add(_seq(2, 20))
+    scheduler, first = _one_decoding(_Clock(), chunk=32)
     assert _admitted(scheduler) == []
     first.token_ids.append(7)
     scheduler.add(_seq(3, 20))  # 40 tokens wait: more than the step's 32
@@ -84,12 +85,7 @@ def test_a_full_chunk_of_waiting_prompt_tokens_is_admitted_at_once() -> None:
 
 
 def test_without_a_hold_a_prompt_is_admitted_beside_decodes() -> None:
-    clock = _Clock()
-    scheduler = _scheduler(clock, hold_s=0.0)
-    first = _seq(1, 20)
-    scheduler.add(first)
-    _decoding(scheduler, first)
-    scheduler.add(_seq(2, 20))
+    scheduler, _ = _one_decoding(_Clock(), hold_s=0.0)
     assert _admitted(scheduler) == ["r2"]
 
 
