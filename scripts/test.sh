@@ -14,6 +14,16 @@ for dir in tools examples/node; do
   fi
 done
 export PATH="$PWD/$venv/bin:$PATH"
+# The Go client's plugins (buf.gen.go.yaml, tests/test_client_codegen.py) are Debian
+# packages, not npm or PyPI ones: installed where this runs as root with apt-get (CI),
+# otherwise that test skips and says how to install them.
+go_plugins="protoc-gen-go protoc-gen-go-grpc"
+if ! command -v protoc-gen-go-grpc >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get install -y -qq $go_plugins >/dev/null 2>&1 \
+    || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq $go_plugins >/dev/null 2>&1; } \
+    || echo "note: could not install $go_plugins; the Go codegen test will skip"
+fi
 
 echo "== buf lint"
 tools/node_modules/.bin/buf lint
