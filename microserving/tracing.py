@@ -202,9 +202,31 @@ def _build_exporter(kind: str) -> Any:
         return ConsoleSpanExporter(out=out, formatter=lambda span: span.to_json(indent=None) + "\n")
     if kind == "console":
         return ConsoleSpanExporter()
-    try:  # reads the standard OTEL_EXPORTER_OTLP_* variables itself
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    return _otlp_exporter(_otlp_protocol())
+
+
+def _otlp_protocol() -> str:
+    """The standard OTEL_EXPORTER_OTLP_(TRACES_)PROTOCOL; http/protobuf when unset, the
+    specification's default (and the collector's port 4318)."""
+    protocol = (os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL")
+                or os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL") or "http/protobuf").strip().lower()
+    if protocol not in ("grpc", "http/protobuf"):
+        raise ValueError(f"OTEL_EXPORTER_OTLP_PROTOCOL={protocol!r} is not supported: "
+                         "use http/protobuf or grpc")
+    return protocol
+
+
+def _otlp_exporter(protocol: str) -> Any:
+    package = "opentelemetry-exporter-otlp-proto-" + ("grpc" if protocol == "grpc" else "http")
+    try:  # each reads the standard OTEL_EXPORTER_OTLP_* variables itself
+        if protocol == "grpc":
+            from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        else:
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
+                OTLPSpanExporter,
+            )
     except ImportError:
-        logger.warning("OTLP tracing asked for but opentelemetry-exporter-otlp-proto-grpc is not installed")
+        logger.warning("OTLP tracing asked for but %s is not installed: "
+                       "pip install 'microserving-grpc[otel]'", package)
         return None
     return OTLPSpanExporter()
