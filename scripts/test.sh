@@ -8,6 +8,11 @@ venv="${VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
 "$venv/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip
 "$venv/bin/python" -m pip install -q --disable-pip-version-check -e ".[dev]"
+# The Kubernetes policy scanner lives in a cached venv of its own; built in the background
+# (once per machine) while the installs, lint and type checks below run.
+policy_log=$(mktemp)
+scripts/policy_tools.sh >"$policy_log" 2>&1 &
+policy_pid=$!
 for dir in tools examples/node; do
   if [ -f "$dir/package-lock.json" ]; then
     (cd "$dir" && npm ci --no-audit --no-fund --loglevel=error)
@@ -31,6 +36,14 @@ echo "== ruff"
 ruff check .
 echo "== mypy"
 mypy microserving engine_shim router gateway bench
+if ! wait "$policy_pid"; then
+  echo "scripts/policy_tools.sh failed (the policy scanner's venv):" >&2
+  cat "$policy_log" >&2
+  exit 1
+fi
+CHECKOV=$(tail -n 1 "$policy_log")
+export CHECKOV
+rm -f "$policy_log"
 echo "== pytest"
 status=0
 pytest -q "$@" || status=$?

@@ -4,6 +4,8 @@ wired the same way (env config, gRPC health probes, only the gateway exposed).""
 
 from __future__ import annotations
 
+import copy
+import os
 import shutil
 import subprocess
 import sys
@@ -172,16 +174,55 @@ def test_kubernetes_has_a_disruption_budget_per_role_and_ingress_only_along_the_
         assert template["metadata"]["labels"]["app.kubernetes.io/part-of"] == "microserving"
 
 
+def checkov_or_skip() -> str:
+    """scripts/test.sh exports CHECKOV (scripts/policy_tools.sh builds its venv); run alone,
+    pytest finds it on PATH or skips."""
+    checkov = os.environ.get("CHECKOV") or shutil.which("checkov")
+    if not checkov:
+        pytest.skip("checkov is not installed: run scripts/policy_tools.sh and set CHECKOV")
+    return checkov
+
+
+def run_checkov(checkov: str, documents: list[dict[str, Any]], path: Path) -> subprocess.CompletedProcess[str]:
+    path.write_text(yaml.safe_dump_all(documents))
+    return subprocess.run([checkov, "--config-file", str(KUBERNETES / ".checkov.yaml"), "-f", str(path)],
+                          capture_output=True, text=True, timeout=300)
+
+
 @pytest.mark.parametrize("overlay", ["cpu", "gpu"])
 def test_kubernetes_overlay_passes_the_policy_scanner(overlay: str, tmp_path: Path) -> None:
     """checkov over the rendered overlay, with the checks deploy/kubernetes/.checkov.yaml
-    skips (and says why); skipped where checkov is not installed (it is not a dev dependency:
-    pip install checkov in a venv of its own)."""
-    checkov = shutil.which("checkov")
-    if checkov is None:
-        pytest.skip("checkov is not installed")
-    rendered = tmp_path / f"{overlay}.yaml"
-    rendered.write_text(yaml.safe_dump_all(render_kustomization(KUBERNETES / "overlays" / overlay)))
-    result = subprocess.run([checkov, "--config-file", str(KUBERNETES / ".checkov.yaml"), "-f", str(rendered)],
-                            capture_output=True, text=True, timeout=300)
+    skips (and says why)."""
+    checkov = checkov_or_skip()
+    result = run_checkov(checkov, render_kustomization(KUBERNETES / "overlays" / overlay),
+                         tmp_path / f"{overlay}.yaml")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+def test_policy_scanner_fails_a_privileged_root_container(tmp_path: Path) -> None:
+    """The same scan, config and all, fails once a pod loses its lock-down: the check above
+    can fail."""
+    checkov = checkov_or_skip()
+    documents = render_kustomization(KUBERNETES / "overlays" / "cpu")
+    gateway = by_name(documents, "Deployment", "microserving-gateway")
+    container = gateway["spec"]["template"]["spec"]["containers"][0]
+    container["securityContext"] = {"privileged": True, "runAsUser": 0}
+    result = run_checkov(checkov, [gateway], tmp_path / "privileged.yaml")
+    assert result.returncode == 1, result.stdout[-4000:] + result.stderr[-2000:]
+    assert "CKV_K8S_16" in result.stdout  # "Container should not be privileged"
+
+
+@pytest.mark.parametrize("mistake", ["misspelled field", "wrong type"])
+def test_strict_schema_validation_refuses_what_a_cluster_would(mistake: str) -> None:
+    """kubernetes-validate in strict mode (as kubeconform -strict): an unknown field, which
+    the API server would drop or refuse, fails validation, as does a wrong type."""
+    documents = render_kustomization(KUBERNETES / "overlays" / "cpu")
+    router = copy.deepcopy(by_name(documents, "Deployment", "microserving-router"))
+    kubernetes_validate.validate(router, KUBERNETES_VERSION, strict=True)
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    if mistake == "misspelled field":
+        container["imagePulPolicy"] = "Always"
+    else:
+        router["spec"]["replicas"] = "two"
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(router, KUBERNETES_VERSION, strict=True)
