@@ -89,7 +89,18 @@ async def _stream(stub: router_pb2_grpc.RouterStub, *requests: router_pb2.NewReq
 
 
 def _requests(tag: str) -> list[router_pb2.NewRequest]:
+    # Each prompt starts with its request's own name: no two share a prefix-cache page, so
+    # cached_tokens (in usage) cannot depend on which request an engine finished first.
     prompt = f"[{tag}] The fast path must relay what the slow path relays, token for token."
+    return [_own_prefix(r) for r in _requests_sharing_a_prompt(prompt)]
+
+
+def _own_prefix(request: router_pb2.NewRequest) -> router_pb2.NewRequest:
+    request.text = f"({request.request_id}) {request.text}"
+    return request
+
+
+def _requests_sharing_a_prompt(prompt: str) -> list[router_pb2.NewRequest]:
     return [
         router_pb2.NewRequest(request_id="plain", text=prompt, sampling=greedy(16)),
         router_pb2.NewRequest(request_id="logprobs", text=prompt + " Again.", echo=True,
