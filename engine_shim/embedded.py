@@ -245,7 +245,8 @@ class EmbeddedBackend:
         times = WriteTimes()
         num_tokens, num_bytes = await write_kv(
             self._peers, self._nixl, addr, held,
-            window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s, times=times,
+            window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s,
+            hold_timeout_s=self._settings.kv_push_timeout_s, times=times,
         )
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms (%s), path=nixl",

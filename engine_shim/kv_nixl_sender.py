@@ -1,4 +1,5 @@
-"""The sending side of a NIXL write: with the send's pages held, claim the receiver's
+"""The sending side of a NIXL write: holding the receiver's reservation from the start
+(kv_hold.py), and with the send's pages held once computed, claim the receiver's
 reservation over KVTransfer.WriteKV (quoting the offer it writes by and a deadline), write the
 pages straight into the reserved slots once the receiver says ready, and return once it says
 the notification arrived. Writes go only to an agent that this authenticated peer confirmed
@@ -19,6 +20,7 @@ from grpc import aio
 from engine_shim.convert import layout_to_pb
 from engine_shim.engine.api import UnavailableError
 from engine_shim.kv_addr import KVAddrInfo, NixlOffer
+from engine_shim.kv_hold import holding
 from engine_shim.kv_nixl import NixlPlane
 from engine_shim.kv_nixl_descs import segment_slots
 from engine_shim.kv_sender import PEER_ERRORS, PeerChannels
@@ -50,18 +52,21 @@ async def write_kv(
     *,
     window_begin: int,
     write_timeout_s: float,
+    hold_timeout_s: float = 300.0,
     times: WriteTimes | None = None,
 ) -> tuple[int, int]:
     """Write the held send's KV (slots of [window_begin, end)) into `addr`'s reservation;
-    (tokens, bytes) written. Raises UnavailableError when the peer or its agent fails, or
-    the write does not land within `write_timeout_s` of the claim."""
+    (tokens, bytes) written. The receiver holds the reservation from the start (at most
+    `hold_timeout_s`), however long the engine queues the send. Raises UnavailableError when
+    the peer or its agent fails, or the write does not land within `write_timeout_s` of the
+    claim."""
     offer = addr.nixl
     if offer is None:
         raise UnavailableError("the receiver made no NIXL offer")
     times = WriteTimes() if times is None else times
     plane.load_peer(offer)
     started = time.perf_counter()
-    async with held as slots:
+    async with holding(peers.hold_stub, addr, hold_timeout_s), held as slots:
         times.hold_ms = (time.perf_counter() - started) * 1e3
         local = np.asarray(slots[addr.begin - window_begin :], dtype=np.int64)
         remote = segment_slots(addr.kv_segments)

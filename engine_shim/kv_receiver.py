@@ -53,6 +53,15 @@ class Ticket:
     staging: StagingSegment | None = None  # the shared-memory stage offered with it, if any
     is_receiving: bool = False
     write_digest: str | None = None  # of the NIXL write offer made with it, if any
+    num_holds: int = 0  # open HoldKV calls (kv_hold.py)
+
+    @property
+    def is_held(self) -> bool:
+        """Being filled or held for a sender that is still computing: it does not expire."""
+        return self.is_receiving or self.num_holds > 0
+
+    def is_expired(self, now: float) -> bool:
+        return not self.is_held and self.expires_at_s <= now
 
 
 class ReceiveTable:
@@ -78,15 +87,34 @@ class ReceiveTable:
         return ticket
 
     def claim(self, request_id: str, token: str) -> Ticket:
+        ticket = self._live(request_id, token)
+        if ticket.is_receiving:
+            raise AlreadyExistsError(f"a KV push for {request_id!r} is already in progress")
+        ticket.is_receiving = True  # a ticket being filled does not expire
+        return ticket
+
+    def hold(self, request_id: str, token: str) -> Ticket:
+        """One more holder of the ticket: it does not expire until every holder let go."""
+        ticket = self._live(request_id, token)
+        ticket.num_holds += 1
+        return ticket
+
+    def let_go(self, request_id: str, ticket: Ticket) -> bool:
+        """One holder fewer; True when the ticket is still open and now unheld (its TTL
+        starts again, now)."""
+        ticket.num_holds -= 1
+        if self._tickets.get(request_id) is not ticket or ticket.is_held:
+            return False
+        ticket.expires_at_s = time.monotonic() + self._ttl_s
+        return True
+
+    def _live(self, request_id: str, token: str) -> Ticket:
         ticket = self._tickets.get(request_id)
-        if ticket is not None and ticket.expires_at_s <= time.monotonic():
+        if ticket is not None and ticket.is_expired(time.monotonic()):
             self.close(request_id)
             ticket = None
         if ticket is None or not secrets.compare_digest(ticket.token, token):
             raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
-        if ticket.is_receiving:
-            raise AlreadyExistsError(f"a KV push for {request_id!r} is already in progress")
-        ticket.is_receiving = True  # a ticket being filled does not expire
         return ticket
 
     def finish(self, ticket: Ticket) -> None:
@@ -107,7 +135,7 @@ class ReceiveTable:
 
     def _close_expired(self) -> None:
         now = time.monotonic()
-        expired = [r for r, t in self._tickets.items() if t.expires_at_s <= now and not t.is_receiving]
+        expired = [r for r, t in self._tickets.items() if t.is_expired(now)]
         for request_id in expired:
             self.close(request_id)
 
@@ -157,7 +185,7 @@ def _chunk_fields(raw: bytes) -> tuple[int, int, bytes | memoryview]:
 
 class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
     """Receives PushKV streams as the raw bytes of each message (see `add_to_server`), and
-    WriteKV handshakes of NIXL writes (kv_nixl_receiver.py)."""
+    WriteKV handshakes and HoldKV holds of NIXL writes (kv_nixl_receiver.py, kv_hold.py)."""
 
     def __init__(
         self,
@@ -190,7 +218,12 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
             request_deserializer=engine_pb2.WriteKVRequest.FromString,
             response_serializer=engine_pb2.WriteKVResponse.SerializeToString,
         )
-        handlers = {"PushKV": handler, "WriteKV": write_handler}
+        hold_handler = grpc.unary_stream_rpc_method_handler(
+            self.HoldKV,
+            request_deserializer=engine_pb2.HoldKVRequest.FromString,
+            response_serializer=engine_pb2.HoldKVResponse.SerializeToString,
+        )
+        handlers = {"PushKV": handler, "WriteKV": write_handler, "HoldKV": hold_handler}
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)
         )
@@ -203,6 +236,15 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
 
         sink = cast(KVWriteSink, self._sink)
         async for event in receive_write(request, self._table, self._nixl(), sink, self._hold):
+            yield event
+
+    @map_errors
+    async def HoldKV(
+        self, request: engine_pb2.HoldKVRequest, context: aio.ServicerContext
+    ) -> AsyncIterator[engine_pb2.HoldKVResponse]:
+        from engine_shim.kv_hold import serve_hold  # imports this file
+
+        async for event in serve_hold(request, self._table, self._hold):
             yield event
 
     @map_errors

@@ -37,6 +37,7 @@ PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 
 _PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
 _WRITE_KV_METHOD = "/microserving.v1.KVTransfer/WriteKV"
+_HOLD_KV_METHOD = "/microserving.v1.KVTransfer/HoldKV"
 # A push still running on an evicted channel gets this long to finish.
 _CLOSE_GRACE_S = 30.0
 
@@ -47,11 +48,12 @@ def _pass_through(message: bytes) -> bytes:
 
 @dataclass
 class _Peer:
-    """A peer's channel and its stubs (WriteKV made on first use)."""
+    """A peer's channel and its stubs (WriteKV and HoldKV made on first use)."""
 
     channel: aio.Channel
     push: aio.StreamUnaryMultiCallable
     write: aio.UnaryStreamMultiCallable | None = None
+    hold: aio.UnaryStreamMultiCallable | None = None
 
 
 class PeerChannels:
@@ -100,6 +102,17 @@ class PeerChannels:
                 response_deserializer=engine_pb2.WriteKVResponse.FromString,
             )
         return peer.write
+
+    def hold_stub(self, address: str) -> aio.UnaryStreamMultiCallable:
+        """KVTransfer.HoldKV of the peer (kv_hold.py)."""
+        peer = self._peer(address)
+        if peer.hold is None:
+            peer.hold = peer.channel.unary_stream(
+                _HOLD_KV_METHOD,
+                request_serializer=engine_pb2.HoldKVRequest.SerializeToString,
+                response_deserializer=engine_pb2.HoldKVResponse.FromString,
+            )
+        return peer.hold
 
     async def close(self) -> None:
         for peer in self._peers.values():

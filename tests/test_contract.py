@@ -62,7 +62,9 @@ def _fill(message: Message, depth: int = 0) -> Message:
             if depth > 3:
                 continue
             target = getattr(message, field.name)
-            _fill(target.add() if is_repeated else target, depth + 1)
+            target = target.add() if is_repeated else target
+            target.SetInParent()  # set even when it has no fields (an empty oneof event)
+            _fill(target, depth + 1)
         elif is_repeated:
             getattr(message, field.name).append(_sample_scalar(field, depth))
         else:

@@ -698,6 +698,75 @@ class WriteKVRequest(_message.Message):
 Global___WriteKVRequest: _TypeAlias = WriteKVRequest  # noqa: Y015
 
 @_typing.final
+class HoldKVRequest(_message.Message):
+    """Input of KVTransfer.HoldKV."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESERVATION_TOKEN_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Id of the request whose reservation is held."""
+    reservation_token: _builtins.str
+    """The reservation token from the receiver's kv_addr_info."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reservation_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "reservation_token", b"reservation_token"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HoldKVRequest: _TypeAlias = HoldKVRequest  # noqa: Y015
+
+@_typing.final
+class KVHeld(_message.Message):
+    """The reservation is held until the HoldKV call ends."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVHeld: _TypeAlias = KVHeld  # noqa: Y015
+
+@_typing.final
+class HoldKVResponse(_message.Message):
+    """One event of a HoldKV stream: `held`, once."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HELD_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def held(self) -> Global___KVHeld:
+        """The reservation does not expire while the call stays open."""
+
+    def __init__(
+        self,
+        *,
+        held: Global___KVHeld | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "held", b"held"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["event", b"event", "held", b"held"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_event: _TypeAlias = _typing.Literal["held"]  # noqa: Y015
+    _WhichOneofArgType_event: _TypeAlias = _typing.Literal["event", b"event"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_event) -> _WhichOneofReturnType_event | None: ...
+
+Global___HoldKVResponse: _TypeAlias = HoldKVResponse  # noqa: Y015
+
+@_typing.final
 class KVWriteReady(_message.Message):
     """The receiver expects the write: the sender may now write the reserved slots."""
 

@@ -359,6 +359,11 @@ class KVTransferStub:
                 request_serializer=microserving_dot_v1_dot_engine__pb2.WriteKVRequest.SerializeToString,
                 response_deserializer=microserving_dot_v1_dot_engine__pb2.WriteKVResponse.FromString,
                 _registered_method=True)
+        self.HoldKV = channel.unary_stream(
+                '/microserving.v1.KVTransfer/HoldKV',
+                request_serializer=microserving_dot_v1_dot_engine__pb2.HoldKVRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_engine__pb2.HoldKVResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -391,6 +396,18 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HoldKV(self, request, context):
+        """Keeps a reservation from expiring while this call is open. A one-sided (NIXL) sender
+        opens it as its RemoteSend begins, before its engine computes the KV (which may wait in
+        that engine's queue longer than the reservation's TTL), and ends it once its WriteKV
+        has ended; the TTL then starts again. The receiver answers `held` once the reservation
+        is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
+        reservation is gone (aborted, expired or consumed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -403,6 +420,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.WriteKV,
                     request_deserializer=microserving_dot_v1_dot_engine__pb2.WriteKVRequest.FromString,
                     response_serializer=microserving_dot_v1_dot_engine__pb2.WriteKVResponse.SerializeToString,
+            ),
+            'HoldKV': grpc.unary_stream_rpc_method_handler(
+                    servicer.HoldKV,
+                    request_deserializer=microserving_dot_v1_dot_engine__pb2.HoldKVRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_engine__pb2.HoldKVResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -461,6 +483,33 @@ class KVTransfer:
             '/microserving.v1.KVTransfer/WriteKV',
             microserving_dot_v1_dot_engine__pb2.WriteKVRequest.SerializeToString,
             microserving_dot_v1_dot_engine__pb2.WriteKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HoldKV(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/microserving.v1.KVTransfer/HoldKV',
+            microserving_dot_v1_dot_engine__pb2.HoldKVRequest.SerializeToString,
+            microserving_dot_v1_dot_engine__pb2.HoldKVResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -220,6 +220,14 @@ class KVTransferStub:
     INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
     made.
     """
+    HoldKV: _grpc.UnaryStreamMultiCallable[_engine_pb2.HoldKVRequest, _engine_pb2.HoldKVResponse]
+    """Keeps a reservation from expiring while this call is open. A one-sided (NIXL) sender
+    opens it as its RemoteSend begins, before its engine computes the KV (which may wait in
+    that engine's queue longer than the reservation's TTL), and ends it once its WriteKV
+    has ended; the TTL then starts again. The receiver answers `held` once the reservation
+    is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
+    reservation is gone (aborted, expired or consumed).
+    """
 
 @_typing.type_check_only
 class KVTransferAsyncStub(KVTransferStub):
@@ -244,6 +252,14 @@ class KVTransferAsyncStub(KVTransferStub):
     holds back for a fence period in case a write is still landing. Codes as for PushKV;
     INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
     made.
+    """
+    HoldKV: _aio.UnaryStreamMultiCallable[_engine_pb2.HoldKVRequest, _engine_pb2.HoldKVResponse]  # type: ignore[assignment]
+    """Keeps a reservation from expiring while this call is open. A one-sided (NIXL) sender
+    opens it as its RemoteSend begins, before its engine computes the KV (which may wait in
+    that engine's queue longer than the reservation's TTL), and ends it once its WriteKV
+    has ended; the TTL then starts again. The receiver answers `held` once the reservation
+    is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
+    reservation is gone (aborted, expired or consumed).
     """
 
 class KVTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -278,6 +294,20 @@ class KVTransferServicer(metaclass=_abc_1.ABCMeta):
         holds back for a fence period in case a write is still landing. Codes as for PushKV;
         INVALID_ARGUMENT also when the offer the sender writes by is not the one the receiver
         made.
+        """
+
+    @_abc_1.abstractmethod
+    def HoldKV(
+        self,
+        request: _engine_pb2.HoldKVRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.HoldKVResponse], _abc.AsyncIterator[_engine_pb2.HoldKVResponse]]:
+        """Keeps a reservation from expiring while this call is open. A one-sided (NIXL) sender
+        opens it as its RemoteSend begins, before its engine computes the KV (which may wait in
+        that engine's queue longer than the reservation's TTL), and ends it once its WriteKV
+        has ended; the TTL then starts again. The receiver answers `held` once the reservation
+        is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
+        reservation is gone (aborted, expired or consumed).
         """
 
 def add_KVTransferServicer_to_server(servicer: KVTransferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

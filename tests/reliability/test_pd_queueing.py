@@ -1,6 +1,7 @@
 """PD under queueing: a PrepRecv reservation does not expire while its RemoteSend waits in the
-prefill engine's queue (the push is opened before the KV is computed, and the receiver holds
-the reservation while the push is open), and a PD hand-off that fails anyway (the prefill
+prefill engine's queue (on every transport the sender reaches the receiver before its engine
+computes the KV: a PushKV is opened then, a NIXL write opens a HoldKV then; the receiver holds
+the reservation while either is open), and a PD hand-off that fails anyway (the prefill
 engine stalled longer than the TTL before it even began the push) is retried or falls back
 to the decode engine: the client gets its tokens or a 503-class error, never NOT_FOUND
 (HTTP 404 model_not_found) and never an engine's address."""
@@ -8,6 +9,7 @@ to the decode engine: the client gets its tokens or a 503-class error, never NOT
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Iterator
 
 import grpc
@@ -24,6 +26,7 @@ from stack_procs import (
     wait_until,
 )
 
+from engine_shim.kv_nixl import load_nixl
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -36,14 +39,10 @@ BLOCKER_TOKENS = 400  # decode steps the prefill engine spends before the queued
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("pd-queueing")
-    # One sequence at a time on P: a send job queues behind whatever P is running.
-    # The KV push over KVTransfer holds the decode side's reservation from the moment the
-    # push is opened, which is before the prefill engine queues the job. A NIXL write
-    # contacts the receiver only once the KV is computed, so on that path the hold starts
-    # too late for a queue longer than the TTL: a known gap of issue 17 (docs/reliability.md),
-    # not what this test is about, so the prefill shim sends over KVTransfer here.
-    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", "--kv-transport", "grpc",
-                             prefix="p")
+    # One sequence at a time on P: a send job queues behind whatever P is running. P sends
+    # on its default transport (NIXL where it loads, else shared memory or KVTransfer): each
+    # holds the decode side's reservation from the moment the send begins, before P queues.
+    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", prefix="p")
     (decode,) = start_shims(logs, ["decode"], "--reservation-ttl-s", str(TTL_S), prefix="d")
     router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
                           "--pattern", "disagg", "--health-interval-s", "0.2")
@@ -87,8 +86,27 @@ async def test_reservation_outlives_a_prefill_queue_longer_than_its_ttl(stack: d
     assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
     assert record.done is not None and len(record.token_ids) == 8
     # The KV came from P: the router did not have to fall back to D alone.
-    assert list(record.done.engines) == [prefill.address, decode.address] or \
-        set(record.done.engines) == {prefill.address, decode.address}, record.done.engines
+    assert set(record.done.engines) == {prefill.address, decode.address}, record.done.engines
+    if load_nixl()[0] is not None:  # the default transport where NIXL loads: the send
+        line = await _remote_send_line(prefill)  # waited in P's queue longer than D's TTL
+        assert line.endswith("path=nixl") and _hold_ms(line) > TTL_S * 1e3, line
+
+
+async def _remote_send_line(prefill: Service) -> str:
+    """P's log line of the last RemoteSend it finished (written right after the call)."""
+    def lines() -> list[str]:
+        return [text for text in prefill.log().splitlines() if " RemoteSend " in text]
+
+    async def is_logged() -> bool:
+        return bool(lines())
+
+    await wait_until(is_logged, timeout_s=10)
+    return (lines() or [""])[-1]
+
+
+def _hold_ms(line: str) -> float:
+    """How long the NIXL sender waited for its engine (queue + prefill), from its log line."""
+    return float(line.split("(hold ", 1)[1].split(",", 1)[0])
 
 
 async def test_prefill_stalled_past_the_ttl_ends_in_tokens_or_503_never_404(stack: dict[str, Service]) -> None:
@@ -127,3 +145,32 @@ async def test_expired_reservations_leave_the_engine_status_without_another_comm
         return (await engine_status(decode.address)).num_reserved_requests == 0
 
     assert await wait_until(is_reaped, timeout_s=TTL_S + 10) is not None
+
+
+async def test_a_hold_keeps_a_reservation_past_its_ttl_until_the_hold_ends(stack: dict[str, Service]) -> None:
+    """KVTransfer.HoldKV (what a NIXL sender opens as its RemoteSend begins): while it is open
+    the reservation and its pages outlive the TTL; once it ends, the TTL reclaims them."""
+    decode = stack["decode"]
+    baseline = (await engine_status(decode.address)).num_free_kv_pages
+    async with create_channel(decode.address, TransportSettings()) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        prep = await stub.PrepRecv(engine_pb2.PrepRecvRequest(
+            request_id="held", token_ids=[7 + i % 250 for i in range(64)], end=-1, sampling=greedy(4)), timeout=30)
+        token = json.loads(prep.kv_addr_info)["reservation_token"]
+        kv = engine_pb2_grpc.KVTransferStub(channel)
+        wrong = kv.HoldKV(engine_pb2.HoldKVRequest(request_id="held", reservation_token="0" * 32))
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await wrong.read()
+        assert refused.value.code() == grpc.StatusCode.NOT_FOUND
+        hold = kv.HoldKV(engine_pb2.HoldKVRequest(request_id="held", reservation_token=token))
+        assert (await hold.read()).WhichOneof("event") == "held"
+        await asyncio.sleep(TTL_S * 6)  # a reaper would have run several times
+        status = await engine_status(decode.address)
+        assert status.num_reserved_requests == 1 and status.num_free_kv_pages < baseline
+        hold.cancel()
+
+    async def is_reclaimed() -> bool:
+        status = await engine_status(decode.address)
+        return status.num_reserved_requests == 0 and status.num_free_kv_pages == baseline
+
+    assert await wait_until(is_reclaimed, timeout_s=TTL_S + 10) is not None

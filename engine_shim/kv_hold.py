@@ -1,0 +1,78 @@
+"""KVTransfer.HoldKV, both sides: a one-sided (NIXL) sender claims the receiver's reservation
+only once its engine has computed the KV (WriteKV, kv_nixl_sender.py), and that engine may
+queue the send for longer than the reservation's TTL. So the sender opens a hold as its
+RemoteSend begins and keeps it open until its write has ended; the receiver keeps the
+reservation (its ticket and the engine's pages) from expiring while any hold is open.
+A PushKV claims at the same moment by itself, so only NIXL sends need this."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import grpc
+from grpc import aio
+
+from engine_shim.engine.api import NotFoundError
+from engine_shim.kv_addr import KVAddrInfo
+from engine_shim.kv_receiver import ReceiveTable
+from microserving.v1 import engine_pb2
+
+logger = logging.getLogger(__name__)
+
+# The receiver ends a hold after this long, whatever the sender's deadline says.
+MAX_HOLD_S = 600.0
+
+HoldFn = Callable[[str, bool], Awaitable[None]]
+HoldStub = Callable[[str], aio.UnaryStreamMultiCallable]
+
+
+async def serve_hold(
+    request: engine_pb2.HoldKVRequest, table: ReceiveTable, hold: HoldFn
+) -> AsyncIterator[engine_pb2.HoldKVResponse]:
+    """HoldKV's one event, `held`; then the hold lasts until the call ends (cancelled by the
+    sender, its deadline, or MAX_HOLD_S)."""
+    request_id = request.request_id
+    ticket = table.hold(request_id, request.reservation_token)
+    try:
+        await hold(request_id, True)
+        yield engine_pb2.HoldKVResponse(held=engine_pb2.KVHeld())
+        await asyncio.sleep(MAX_HOLD_S)
+    finally:
+        # The engine's copy is let go only when no write fills the reservation now and no
+        # other hold is open; a reservation consumed or aborted meanwhile has nothing to let go.
+        if table.let_go(request_id, ticket):
+            with contextlib.suppress(NotFoundError):
+                await hold(request_id, False)
+
+
+@contextlib.asynccontextmanager
+async def holding(stub: HoldStub, addr: KVAddrInfo, timeout_s: float) -> AsyncIterator[None]:
+    """Hold `addr`'s reservation while the body runs. Not awaited before the body: the
+    request goes out as the body starts (the engine's compute), so it costs the send no
+    round trip. A receiver that cannot hold (reservation gone, an older shim) is only
+    logged: the write's own claim then reports what is wrong."""
+    request = engine_pb2.HoldKVRequest(
+        request_id=addr.request_id, reservation_token=addr.reservation_token
+    )
+    call = stub(addr.address)(request, timeout=timeout_s)
+    watcher = asyncio.ensure_future(_watch(call, addr))
+    try:
+        yield
+    finally:
+        watcher.cancel()
+        call.cancel()
+
+
+async def _watch(call: aio.UnaryStreamCall, addr: KVAddrInfo) -> None:
+    try:
+        event = await call.read()
+    except aio.AioRpcError as error:
+        if error.code() != grpc.StatusCode.CANCELLED:
+            logger.info("no hold on %s's reservation at %s: %s %s", addr.request_id,
+                        addr.address, error.code().name, error.details())
+        return
+    if event is aio.EOF or event.WhichOneof("event") != "held":
+        logger.info("no hold on %s's reservation at %s", addr.request_id, addr.address)
