@@ -7,9 +7,10 @@ gateway <-> router. Imports grpcio only; no service code.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,23 +102,61 @@ class TokenAuthInterceptor(aio.ServerInterceptor):
         return _deny(handler)
 
 
+# A refused call's request stream is read (unparsed) until the client half-closes, at most
+# this long and this many messages, before the refusal goes out: see _drain.
+_REFUSAL_DRAIN_S = 1.0
+_REFUSAL_DRAIN_MESSAGES = 64
+_UNAUTHENTICATED = "missing or invalid credentials"
+
+
 def _deny(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
-    """A handler of the same streaming shape that aborts with UNAUTHENTICATED."""
+    """A handler of the same streaming shape that aborts with UNAUTHENTICATED. No
+    deserializers: a refused request is never parsed."""
 
     async def abort_unary(request: Any, context: aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials")
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
 
-    async def abort_stream(request: Any, context: aio.ServicerContext) -> Any:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid credentials")
+    async def abort_unary_stream(request: Any, context: aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+        yield  # pragma: no cover - makes this an async generator
+
+    async def drain_and_abort(requests: AsyncIterator[bytes], context: aio.ServicerContext) -> Any:
+        await _drain(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
+
+    async def drain_and_abort_stream(
+        requests: AsyncIterator[bytes], context: aio.ServicerContext
+    ) -> Any:
+        await _drain(requests)
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, _UNAUTHENTICATED)
         yield  # pragma: no cover - makes this an async generator
 
     if handler is None or (not handler.request_streaming and not handler.response_streaming):
         return grpc.unary_unary_rpc_method_handler(abort_unary)
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(abort_stream)
+        return grpc.stream_stream_rpc_method_handler(drain_and_abort_stream)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(abort_unary)
-    return grpc.unary_stream_rpc_method_handler(abort_stream)
+        return grpc.stream_unary_rpc_method_handler(drain_and_abort)
+    return grpc.unary_stream_rpc_method_handler(abort_unary_stream)
+
+
+async def _drain(requests: AsyncIterator[bytes]) -> None:
+    """Read what a refused client is still sending, so the refusal does not race its
+    writes: a grpc.aio client whose write is in flight when the server ends the call reports
+    INTERNAL ("Internal error from Core") instead of the server's status. Bounded, so a
+    client that never half-closes cannot hold the call open."""
+
+    async def read() -> None:
+        num_messages = 0
+        async for _ in requests:
+            num_messages += 1
+            if num_messages >= _REFUSAL_DRAIN_MESSAGES:
+                return
+
+    try:
+        await asyncio.wait_for(read(), _REFUSAL_DRAIN_S)
+    except TimeoutError:
+        pass  # refused now, with whatever the client still sends unread
 
 
 def create_server(

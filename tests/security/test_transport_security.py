@@ -7,7 +7,9 @@ from RemoteSend, PushKV, Abort and Router.Generate. Every service listens on loo
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from stack_procs import Service, start_gateway, start_router, start_shims, stop_
 from tls_certs import NodeFiles, make_node
 
 from microserving.transport import TransportSettings, create_channel
-from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.e2e
 
@@ -67,7 +69,7 @@ async def _engine_code(address: str, transport: TransportSettings, method: str) 
                 await stub.RemoteSend(engine_pb2.RemoteSendRequest(
                     request_id="x", token_ids=[10, 11, 12], begin=0, end=-1, kv_addr_info=b"x"), timeout=5)
             elif method == "PushKV":
-                await kv.PushKV(iter([]), timeout=5)  # nothing written: no write/refusal race
+                await kv.PushKV(iter(_push_messages()), timeout=5)
             elif method == "Abort":
                 await stub.Abort(engine_pb2.AbortRequest(request_id="x"), timeout=5)
             else:
@@ -78,8 +80,7 @@ async def _engine_code(address: str, transport: TransportSettings, method: str) 
 
 
 async def _router_code(address: str, transport: TransportSettings, send: bool = False) -> grpc.StatusCode:
-    """The status of one Generate call. Refusals are checked on a call that sends nothing: a
-    write racing the server's refusal fails client-side as INTERNAL, hiding the real code."""
+    """The status of one Generate call (a request sent, or nothing)."""
     async with create_channel(address, transport) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         request = router_pb2.GenerateRequest(generate=router_pb2.NewRequest(request_id="x", text="hi"))
@@ -184,3 +185,60 @@ async def test_token_alone_guards_every_engine_call(token_stack, method: str) ->
     assert await _engine_code(address, TransportSettings(), method) == grpc.StatusCode.UNAUTHENTICATED
     assert await _engine_code(address, TransportSettings(token="wrong"), method) == grpc.StatusCode.UNAUTHENTICATED
     assert await _engine_code(address, TransportSettings(token=TOKEN), method) != grpc.StatusCode.UNAUTHENTICATED
+
+
+REFUSAL_ROUNDS = 60
+
+
+def _push_messages() -> list[engine_pb2.PushKVRequest]:
+    header = engine_pb2.KVPushHeader(request_id="x", reservation_token="t")
+    chunks = [engine_pb2.KVChunkData(begin=i, num_tokens=1, data=b"k" * 4096) for i in range(3)]
+    return [engine_pb2.PushKVRequest(header=header)] + [engine_pb2.PushKVRequest(chunk=c) for c in chunks]
+
+
+def _engine_generate(request_id: str) -> engine_pb2.EngineGenerateRequest:
+    start = engine_pb2.StartGenerateRequest(request_id=request_id, token_ids=[5, 6, 7],
+                                            sampling=common_pb2.SamplingParams(max_tokens=4))
+    return engine_pb2.EngineGenerateRequest(start=start)
+
+
+async def _final_code(call: grpc.aio.Call, writes: list[object] | None = None) -> str:
+    """The status a client finally sees (its writes first, if any, then reading to the end)."""
+    try:
+        for message in writes or []:
+            await call.write(message)  # type: ignore[attr-defined]
+        if writes is not None:
+            await call.done_writing()  # type: ignore[attr-defined]
+        if hasattr(call, "__aiter__"):
+            async for _ in call:  # type: ignore[attr-defined]
+                pass
+        else:
+            await call
+    except (grpc.aio.AioRpcError, Exception):  # noqa: BLE001 - the status below says what happened
+        pass
+    return (await call.code()).name
+
+
+async def test_a_refused_stream_says_unauthenticated_while_the_client_is_still_writing(token_stack) -> None:
+    """A grpc.aio client whose write is in flight when the server ends the call reports INTERNAL
+    ("Internal error from Core") instead of the server's code; the token check reads what a
+    refused stream still sends before it refuses, so every tokenless call that writes
+    requests (bidi Engine.Generate and Router.Generate, client-streaming PushKV) sees
+    UNAUTHENTICATED (before: 40-75% of these concurrent bidi calls and some pushes got INTERNAL)."""
+    codes: Counter[tuple[str, str]] = Counter()
+    new = router_pb2.GenerateRequest(generate=router_pb2.NewRequest(request_id="x", text="hi"))
+    async with create_channel(token_stack["decode"].address, TransportSettings()) as shim, \
+            create_channel(token_stack["router"].address, TransportSettings()) as router:
+        engine, kv = engine_pb2_grpc.EngineStub(shim), engine_pb2_grpc.KVTransferStub(shim)
+        generate = router_pb2_grpc.RouterStub(router).Generate
+        for i in range(REFUSAL_ROUNDS):
+            requests = [_engine_generate(f"r{i}-{j}") for j in range(3)]
+            calls = {
+                "Engine.Generate iterator": _final_code(engine.Generate(iter(requests), timeout=10)),
+                "Engine.Generate write": _final_code(engine.Generate(timeout=10), list(requests)),
+                "PushKV": _final_code(kv.PushKV(iter(_push_messages()), timeout=10)),
+                "Router.Generate": _final_code(generate(iter([new, new]), timeout=10)),
+            }
+            for shape, code in zip(calls, await asyncio.gather(*calls.values()), strict=True):
+                codes[(shape, code)] += 1
+    assert set(codes) == {(shape, "UNAUTHENTICATED") for shape, _ in codes}, codes
