@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
 from gateway.app import create_app
-from gateway.header_timeout import header_timeout_protocol
+from gateway.header_timeout import WORKER_PROTOCOL, header_timeout_protocol
 from gateway.settings import (
     WORKER_SETTINGS_ENV,
     GatewaySettings,
@@ -123,7 +123,8 @@ def _run_workers(settings: GatewaySettings, sock: socket.socket) -> None:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
         config = uvicorn.Config("gateway.app:app_from_worker_env", factory=True,
                                 workers=settings.workers, log_level=settings.log_level,
-                                access_log=False, timeout_graceful_shutdown=5)
+                                access_log=False, timeout_graceful_shutdown=5,
+                                http=WORKER_PROTOCOL)
         Multiprocess(config, sockets=[sock]).run()
 
 

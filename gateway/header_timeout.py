@@ -6,13 +6,15 @@ would otherwise hold its connection (and a file descriptor) forever.
 
 Also answers requests the HTTP parser refuses with an OpenAI error body.
 
-Works with uvicorn's h11 and httptools protocols alike: both set `cycle` when a request's
+In the single process the CLI passes the class; the worker processes of `--workers N` import
+`worker_protocol` by name. Works with uvicorn's h11 and httptools protocols alike: both set `cycle` when a request's
 headers are complete and call `on_response_complete` when its response is sent.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 from typing import Any
 
@@ -66,3 +68,21 @@ def header_timeout_protocol(header_timeout_s: float, http: str = "auto") -> type
                 self.transport.close()
 
     return HeaderTimeoutProtocol
+
+
+# What a worker process's uvicorn imports as its protocol (`--workers N`): the supervisor
+# hands workers a picklable config, so the protocol is named, not passed as a class.
+WORKER_PROTOCOL = "gateway.header_timeout:worker_protocol"
+
+
+def worker_protocol(*args: Any, **kwargs: Any) -> asyncio.Protocol:
+    """uvicorn's protocol factory in a worker process: the header deadline from the worker's
+    settings (made once per process)."""
+    return _worker_protocol_class()(*args, **kwargs)
+
+
+@functools.cache
+def _worker_protocol_class() -> type[asyncio.Protocol]:
+    from gateway.settings import settings_from_worker_env
+
+    return header_timeout_protocol(settings_from_worker_env().header_timeout_s)

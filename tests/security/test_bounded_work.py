@@ -207,6 +207,30 @@ def test_connections_that_never_finish_their_headers_are_closed(stack: dict[str,
             assert closed_after_s is not None, "a connection without headers stayed open"
 
 
+@pytest.fixture(scope="module")
+def workers_gateway(stack: dict[str, Service], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
+    """A second gateway on the same router, as uvicorn's supervisor with 2 worker processes."""
+    gateway = start_gateway(tmp_path_factory.mktemp("bounded-workers"), stack["router"].address,
+                            "--workers", "2", "--header-timeout-s", str(HEADER_TIMEOUT_S),
+                            name="gateway-workers")
+    yield gateway
+    gateway.stop()  # SIGTERM: the supervisor stops its workers
+
+
+def test_half_open_connections_are_closed_by_every_worker(workers_gateway: Service) -> None:
+    """With --workers 2 the kernel spreads connections over both processes: every silent or
+    trickling one is closed, whichever worker holds it; the gateway still serves after."""
+    socks = [_connect(workers_gateway.address) for _ in range(8)]
+    for sock in socks[::2]:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n")
+    for sock in socks:
+        with sock:
+            closed_after_s = _closes_within_s(sock, HEADER_TIMEOUT_S + 20)
+            assert closed_after_s is not None, "a connection without headers stayed open"
+    reply = httpx.post(f"http://{workers_gateway.address}/v1/completions", json=SMALL, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
 def test_a_body_that_never_arrives_is_answered_408(stack: dict[str, Service]) -> None:
     with _connect(stack["gateway"].address) as sock:
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json"
