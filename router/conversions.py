@@ -38,6 +38,7 @@ def sampling_to_request_fields(sampling: common_pb2.SamplingParams) -> dict[str,
         "logit_bias": dict(sampling.logit_bias) or None,
         "logprobs": sampling.top_logprobs if sampling.logprobs else None,
         "debug_config": {"ignore_eos": sampling.ignore_eos},
+        "cache_salt": sampling.cache_salt or None,
     }
     for name in ("temperature", "top_p", "max_tokens", "seed", "n"):
         if sampling.HasField(name):
@@ -75,6 +76,7 @@ def request_to_sampling(request: CompletionRequest) -> common_pb2.SamplingParams
         logprobs=request.logprobs is not None,
         top_logprobs=request.logprobs or 0,
         ignore_eos=bool(request.debug_config and request.debug_config.ignore_eos),
+        cache_salt=request.cache_salt or "",
     )
     if request.temperature is not None:
         sampling.temperature = request.temperature

@@ -80,6 +80,10 @@ class CompletionRequest(_LenientModel):
     # Extensions (not in MLC): sampling knobs our contract carries.
     top_k: int = 0
     stop_token_ids: list[int] | None = None
+    # The prefix-cache scope (vLLM's name; SamplingParams.cache_salt): the gateway's tenant
+    # scope of this request. The router's helpers apply the request's scope to every engine
+    # call whatever a custom translate_request sets here.
+    cache_salt: str | None = None
 
 
 class TopLogProbs(BaseModel):

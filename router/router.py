@@ -262,7 +262,7 @@ class Router:
         """prep_recv on the receiver -> (kv_addr_info, prefix_matched_length)."""
         del session  # accepted for MLC's signature; calls use the pooled gRPC channel
         kv_addr_info, matched = await engine_calls.prep_recv(
-            self, self.endpoint(server_url), _job(request), request.end
+            self, self.endpoint(server_url), self._scoped_job(request), request.end
         )
         return base64.b64encode(kv_addr_info).decode("ascii"), matched
 
@@ -270,7 +270,7 @@ class Router:
         """remote_send on the sender; returns once the KV reached the receiver."""
         del session
         await engine_calls.remote_send(
-            self, self.endpoint(server_url), _job(request), begin=request.begin, end=request.end,
+            self, self.endpoint(server_url), self._scoped_job(request), begin=request.begin, end=request.end,
             kv_addr_info=base64.b64decode(request.kv_addr_info), recv_rank=request.recv_rank,
         )
 
@@ -279,11 +279,21 @@ class Router:
     ) -> AsyncIterator[CompletionResponse]:
         """start_generate on the receiver: its stream as CompletionResponse chunks."""
         del session
-        job = _job(request)
+        job = self._scoped_job(request)
         stream = engine_calls.start_generate(self, self.endpoint(server_url), job, request.begin)
         async with contextlib.aclosing(stream):
             async for reply in stream:
                 yield engine_to_completion(reply, job.request_id, request.model)
+
+    def _scoped_job(self, request: CompletionRequest) -> EngineJob:
+        """The engine-level job of a helper call, in its request's tenant scope: a custom
+        translate_request that builds its own requests (or drops cache_salt) cannot move a
+        tenant's request into another prefix-cache scope."""
+        job = _job(request)
+        ctx = self._contexts.get(job.request_id)
+        if ctx is not None and ctx.cache_salt:
+            job.sampling.cache_salt = ctx.cache_salt
+        return job
 
     # ---- the extension point ----
     async def translate_request(

@@ -135,6 +135,15 @@ class MLCBackend:
     def _base(
         self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams
     ) -> dict[str, Any]:
+        if sampling.cache_salt and self._settings.enable_prefix_cache:
+            # MLC's prefix cache has one scope for everyone: a salted (tenant's) request
+            # served from it could reveal another tenant's prompts through its usage.
+            raise InvalidRequestError(
+                "the mlc backend cannot scope its prefix cache per tenant (cache_salt): "
+                "serve tenants from an MLC engine without a prefix cache (shim "
+                "--enable-prefix-cache false, which starts it with prefix_cache_mode=disable; "
+                "with --mlc-url, only when that server runs so)"
+            )
         return protocol.completion_body(self._model_name, request_id, token_ids, sampling)
 
     async def prep_recv(

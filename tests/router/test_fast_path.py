@@ -179,7 +179,7 @@ async def test_engine_deltas_go_out_unchanged_and_queued_ones_merge_in_order() -
     common_pb2.SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True),
     common_pb2.SamplingParams(temperature=0.7, top_p=0.9, top_k=5, seed=3, n=3, stop=["a", "bc"],
                               stop_token_ids=[2], frequency_penalty=0.5, presence_penalty=-0.5,
-                              logit_bias={4: 2.5}, logprobs=True, top_logprobs=3),
+                              logit_bias={4: 2.5}, logprobs=True, top_logprobs=3, cache_salt="tenant-x"),
     common_pb2.SamplingParams(logprobs=False, top_logprobs=4, max_tokens=1),
 ])
 def test_engines_get_the_sampling_values_of_the_pydantic_round_trip(sampling: common_pb2.SamplingParams) -> None:

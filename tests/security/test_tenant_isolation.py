@@ -1,12 +1,14 @@
 """Tenant isolation of the prefix cache: the gateway scopes each request's prefix cache by
 its API key (and an explicit `cache_salt`), in the router's cache-aware choice and in the
-engines' caches, so one key's prompts never show in another key's usage; and under PD
+engines' caches, so one key's prompts never show in another key's usage (through a custom
+translate_request that drops the salt too); and under PD
 disaggregation `cached_tokens` counts only prefix-cache hits, not the KV the prefill engine
 sent (reported separately on the gRPC side as kv_transferred_tokens)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -37,6 +39,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Servic
     stop_all(services.values())
 
 
+@pytest.fixture(scope="module")
+def custom_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
+    """A custom translate_request (--router-class) that drops cache_salt from what it sends."""
+    logs = tmp_path_factory.mktemp("tenants-custom")
+    (shim,) = start_shims(logs, ["both"])
+    router_class = f"{Path(__file__).parent / 'salt_dropping_router.py'}:SaltDroppingRouter"
+    router = start_router(logs, [shim.address], "--router-class", router_class)
+    gateway = start_gateway(logs, router.address, "--api-key", KEY_A, "--api-key", KEY_B)
+    services = {"shim": shim, "router": router, "gateway": gateway}
+    yield services
+    stop_all(services.values())
+
+
 def _usage(gateway: Service, key: str, prompt: str, **extra: Any) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0, **extra}
     reply = httpx.post(f"http://{gateway.address}/v1/completions", json=body,
@@ -56,6 +71,18 @@ def test_another_key_cannot_tell_a_right_guess_from_a_wrong_one(stack: dict[str,
     again = _usage(gateway, KEY_A, SECRET)
     assert _cached(first) == 0  # KV sent by the prefill engine is not a cache hit
     assert _cached(again) >= 160  # the same tenant reuses its own cache
+    right_guess = _usage(gateway, KEY_B, SECRET)
+    wrong_guess = _usage(gateway, KEY_B, WRONG)
+    assert right_guess == wrong_guess, (right_guess, wrong_guess)
+    assert _cached(right_guess) == 0
+
+
+def test_a_custom_router_that_drops_the_salt_still_keeps_tenants_apart(
+    custom_stack: dict[str, Service]
+) -> None:
+    gateway = custom_stack["gateway"]
+    _usage(gateway, KEY_A, SECRET)
+    assert _cached(_usage(gateway, KEY_A, SECRET)) >= 160  # the custom path reports cache hits
     right_guess = _usage(gateway, KEY_B, SECRET)
     wrong_guess = _usage(gateway, KEY_B, WRONG)
     assert right_guess == wrong_guess, (right_guess, wrong_guess)

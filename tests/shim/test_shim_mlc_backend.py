@@ -238,3 +238,40 @@ async def test_compat_server_rejects_bad_windows_without_dying(mlc_pair):
     assert bad_end.status_code == 400 and bad_end.json()["error"]["type"] == "invalid_request_error"
     assert no_prep.status_code == 409
     assert fine.status_code == 200 and fine.json()["usage"]["completion_tokens"] == 2
+
+
+async def test_mlc_backend_refuses_a_cache_salt_it_cannot_scope_and_serves_it_without_a_prefix_cache(mlc_pair):
+    """MLC's prefix cache has one scope: a tenant's (salted) request is refused with a message
+    that says so, on every call, unless the shim declares the MLC engine runs without a prefix
+    cache; then nothing is shared and the request is served."""
+    salted = greedy(max_tokens=4)
+    salted.cache_salt = "tenant-a"
+    tokens = [t + 40 for t in PROMPT]
+    d_channel, d_stub = engine_stub(mlc_pair["decode"].address)
+    async with d_channel:
+        for call in (
+            d_stub.PrepRecv(engine_pb2.PrepRecvRequest(request_id="salt-prep", token_ids=tokens,
+                                                       end=-1, sampling=salted)),
+            _drain(d_stub.StartGenerate(engine_pb2.StartGenerateRequest(
+                request_id="salt-start", token_ids=tokens, sampling=salted))),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cache_salt" in (refused.value.details() or "")
+    unshared = ShimServer(ShimSettings(backend="mlc", mlc_url=mlc_pair["receiver"].url, port=0,
+                                       enable_prefix_cache=False))
+    await unshared.start()
+    try:
+        channel, stub = engine_stub(unshared.address)
+        async with channel:
+            request = engine_pb2.StartGenerateRequest(request_id="salt-served", token_ids=tokens,
+                                                      sampling=salted)
+            ids = await _drain(stub.StartGenerate(request))
+        assert len(ids) == 4
+    finally:
+        await unshared.stop(grace_s=1.0)
+
+
+async def _drain(call: Any) -> list[int]:
+    return [i async for reply in call for choice in reply.choices for i in choice.token_ids]
