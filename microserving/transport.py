@@ -8,6 +8,7 @@ gateway <-> router. Imports grpcio only; no service code.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -153,10 +154,8 @@ async def _drain(requests: AsyncIterator[bytes]) -> None:
             if num_messages >= _REFUSAL_DRAIN_MESSAGES:
                 return
 
-    try:
+    with contextlib.suppress(TimeoutError):  # refused then, whatever the client still sends
         await asyncio.wait_for(read(), _REFUSAL_DRAIN_S)
-    except TimeoutError:
-        pass  # refused now, with whatever the client still sends unread
 
 
 def create_server(
