@@ -85,7 +85,7 @@ async def _router_code(address: str, transport: TransportSettings, send: bool = 
         stub = router_pb2_grpc.RouterStub(channel)
         request = router_pb2.GenerateRequest(generate=router_pb2.NewRequest(request_id="x", text="hi"))
         try:
-            async for _ in stub.Generate(iter([request] if send else []), timeout=10):
+            async for _ in stub.Generate(iter([request] if send else []), timeout=120):
                 pass
         except grpc.aio.AioRpcError as error:
             return error.code()
@@ -234,10 +234,10 @@ async def test_a_refused_stream_says_unauthenticated_while_the_client_is_still_w
         for i in range(REFUSAL_ROUNDS):
             requests = [_engine_generate(f"r{i}-{j}") for j in range(3)]
             calls = {
-                "Engine.Generate iterator": _final_code(engine.Generate(iter(requests), timeout=10)),
-                "Engine.Generate write": _final_code(engine.Generate(timeout=10), list(requests)),
-                "PushKV": _final_code(kv.PushKV(iter(_push_messages()), timeout=10)),
-                "Router.Generate": _final_code(generate(iter([new, new]), timeout=10)),
+                "Engine.Generate iterator": _final_code(engine.Generate(iter(requests), timeout=60)),
+                "Engine.Generate write": _final_code(engine.Generate(timeout=60), list(requests)),
+                "PushKV": _final_code(kv.PushKV(iter(_push_messages()), timeout=60)),
+                "Router.Generate": _final_code(generate(iter([new, new]), timeout=60)),
             }
             for shape, code in zip(calls, await asyncio.gather(*calls.values()), strict=True):
                 codes[(shape, code)] += 1
