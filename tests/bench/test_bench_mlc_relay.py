@@ -54,4 +54,8 @@ def test_mlc_relay_toy_run_compares_both_sides(tmp_path: Path) -> None:
         assert set(relay["cpu_ms_per_1k_tokens"]) == engines[pattern] | shims[pattern] | {
             "router", "total"}
         assert all(v is not None and v >= 0 for v in c["relay_cpu_ms_per_1k_tokens"].values())
-        assert c["relay_cpu_ms_per_1k_tokens"]["shim"] > 0
+    # /proc counts CPU in clock ticks (10 ms), charged to whatever runs at the tick: a row's
+    # shims may relay their 128 tokens within less than one tick, and on a busy machine miss
+    # every tick (one full-suite run with both cores loaded read 0.0 for a row). Over the
+    # whole run their CPU shows.
+    assert sum(c["relay_cpu_ms_per_1k_tokens"]["shim"] for c in comparisons.values()) > 0
