@@ -19,6 +19,7 @@ from stack_procs import (
     Tracked,
     engine_health,
     greedy,
+    router_status,
     start_router,
     start_shims,
     stop_all,
@@ -67,7 +68,9 @@ async def test_requests_on_a_broken_engine_stream_are_retried_elsewhere_token_ex
         records = [Tracked(f"r{i}", []) for i in range(len(PROMPTS))]
         tasks = [asyncio.ensure_future(track(stub, _request(r.request_id, p), r))
                  for p, r in zip(PROMPTS, records, strict=True)]
-        await asyncio.sleep(1.0)
+        # Until the router has requests waiting on the frozen engine (a fixed sleep was too
+        # short for a loaded machine: none had reached it yet, so nothing was retried).
+        assert await wait_until(lambda: _is_waiting_on(router.address, doomed.address), timeout_s=60) is not None
         doomed.kill()  # breaks the stream under the waiting requests
         await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
 
@@ -81,6 +84,11 @@ async def test_requests_on_a_broken_engine_stream_are_retried_elsewhere_token_ex
     assert retried, router.log()[-3000:]
     health = await engine_health(router.address)
     assert health[doomed.address] == router_pb2.ENGINE_HEALTH_UNREACHABLE
+
+
+async def _is_waiting_on(router_address: str, engine_address: str) -> bool:
+    engines = (await router_status(router_address)).engines
+    return any(e.address == engine_address and e.num_inflight_decode > 0 for e in engines)
 
 
 async def test_the_survivor_keeps_serving_on_its_own_stream(stack) -> None:
