@@ -11,13 +11,13 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, Protocol
 
 import grpc
 from grpc import aio
 
 from engine_shim.engine.api import NotFoundError
 from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_receiver import ReceiveTable
 from microserving.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -26,11 +26,21 @@ logger = logging.getLogger(__name__)
 MAX_HOLD_S = 600.0
 
 HoldFn = Callable[[str, bool], Awaitable[None]]
+
+
+class HoldTable(Protocol):
+    """The receiver's reservations (kv_receiver.ReceiveTable, which imports this file)."""
+
+    def hold(self, request_id: str, token: str) -> Any: ...
+
+    def let_go(self, request_id: str, ticket: Any) -> bool: ...
+
+
 HoldStub = Callable[[str], aio.UnaryStreamMultiCallable]
 
 
 async def serve_hold(
-    request: engine_pb2.HoldKVRequest, table: ReceiveTable, hold: HoldFn
+    request: engine_pb2.HoldKVRequest, table: HoldTable, hold: HoldFn
 ) -> AsyncIterator[engine_pb2.HoldKVResponse]:
     """HoldKV's one event, `held`; then the hold lasts until the call ends (cancelled by the
     sender, its deadline, or MAX_HOLD_S)."""

@@ -32,6 +32,7 @@ from engine_shim.kv_codec import (
     chunk_from_bytes,
     decode_chunk_request,
 )
+from engine_shim.kv_hold import serve_hold
 from engine_shim.kv_shm import StagingPool, StagingSegment, staged_slice
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -242,8 +243,6 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
     async def HoldKV(
         self, request: engine_pb2.HoldKVRequest, context: aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.HoldKVResponse]:
-        from engine_shim.kv_hold import serve_hold  # imports this file
-
         async for event in serve_hold(request, self._table, self._hold):
             yield event
 
