@@ -93,7 +93,15 @@ async def test_killed_decode_engine_requests_are_retried_or_resumed_token_exact(
         assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
         assert record.token_ids == want.token_ids, record.request_id  # no duplicated or lost text
         assert record.text == want.text
-        assert record.done is not None and doomed.address not in record.done.engines
+        assert record.done is not None
+        # Served by the survivor, or (a wave-A request the doomed engine had finished before
+        # it froze: possible on a loaded machine, where the other engine's requests reach
+        # their second token late) by the doomed engine alone, never moved: an engine frozen
+        # and then killed cannot have produced a token after that.
+        engines = list(record.done.engines)
+        assert doomed.address not in engines or (
+            engines == [doomed.address] and record.request_id.startswith("a")
+        ), (record.request_id, engines)
     # The router says which requests it moved: "resuming" (tokens streamed) or "retrying".
     log = router.log()
     resumed = set(re.findall(r"resuming (r\d+) elsewhere after \S+ on " + re.escape(doomed.address), log))
