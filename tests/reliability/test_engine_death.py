@@ -36,6 +36,7 @@ from microserving.v1 import router_pb2, router_pb2_grpc
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 64
+LONG_MAX_TOKENS = 1500  # within the tiny model's context, beside these prompts
 PROMPTS = [f"request {i}: the quick brown fox jumps over the lazy dog" for i in range(6)]
 # Wave A streams before the fault, wave B arrives while the doomed engine is frozen.
 WAVE_A, WAVE_B = PROMPTS[:3], PROMPTS[3:]
@@ -55,8 +56,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Servic
     stop_all(services.values())
 
 
-def _request(i: int, prompt: str) -> router_pb2.NewRequest:
-    return router_pb2.NewRequest(request_id=f"r{i}", text=prompt, sampling=greedy(MAX_TOKENS))
+def _request(i: int, prompt: str, max_tokens: int = MAX_TOKENS) -> router_pb2.NewRequest:
+    return router_pb2.NewRequest(request_id=f"r{i}", text=prompt, sampling=greedy(max_tokens))
 
 
 async def _run_all(stub: router_pb2_grpc.RouterStub, prompts: list[str], offset: int = 0) -> list[Tracked]:
@@ -123,7 +124,9 @@ async def test_streams_end_promptly_with_unavailable_when_no_decode_engine_is_le
     async with create_channel(router.address, TransportSettings()) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
         records = [Tracked(f"last{i}", []) for i in range(3)]
-        tasks = [asyncio.ensure_future(track(stub, _request(100 + i, p), r))
+        # Long enough that none can finish before the last has started and the engine dies
+        # (on a loaded machine the first may stream for seconds before the last starts).
+        tasks = [asyncio.ensure_future(track(stub, _request(100 + i, p, LONG_MAX_TOKENS), r))
                  for i, (p, r) in enumerate(zip(PROMPTS, records, strict=False))]
 
         async def streaming() -> bool:
@@ -138,4 +141,4 @@ async def test_streams_end_promptly_with_unavailable_when_no_decode_engine_is_le
         assert record.error.code == grpc.StatusCode.UNAVAILABLE.value[0]
         assert "Traceback" not in record.error.message
         assert record.ended_at_s - killed_at < 5.0
-        assert 0 < len(record.token_ids) < MAX_TOKENS
+        assert 0 < len(record.token_ids) < LONG_MAX_TOKENS
