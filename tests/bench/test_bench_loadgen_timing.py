@@ -84,7 +84,10 @@ async def test_http_errors_are_counted_by_kind_and_left_out_of_latencies() -> No
     s = result["summary"]
     assert s["num_errors"] == 4 and s["num_completed"] == 4
     assert s["error_kinds"] == {"http_429": 2, "http_500": 2}
-    assert s["jct_s"] is not None and s["ttft_s"]["min"] >= 0.02
+    # Errors answer at once: counted in latencies they would pull the minimum near 0. The
+    # successes' first token comes 20 ms after the server got the request, which the client
+    # may stamp a little after it sent it (a loaded machine): half of that is the bound.
+    assert s["jct_s"] is not None and s["ttft_s"]["min"] >= 0.01
 
 
 async def test_unreachable_server_is_an_error_not_a_crash() -> None:

@@ -33,7 +33,7 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_
 pytestmark = pytest.mark.e2e
 
 TTL_S = 0.5
-BLOCKER_TOKENS = 400  # decode steps the prefill engine spends before the queued send runs
+LONG_BLOCKER_TOKENS = 1800  # longer than any test waits: ended by cancelling it
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,13 @@ async def _send(router: Service, request_id: str, prompt: list[int]) -> Tracked:
         return await track(stub, new, Tracked(request_id, []))
 
 
+async def _wait_waiting(address: str) -> None:
+    async def is_waiting() -> bool:
+        return (await engine_status(address)).num_waiting_requests > 0
+
+    assert await wait_until(is_waiting, timeout_s=60) is not None
+
+
 async def _wait_running(address: str) -> None:
     async def is_running() -> bool:
         return (await engine_status(address)).num_running_requests > 0
@@ -79,10 +86,17 @@ async def _wait_running(address: str) -> None:
 
 async def test_reservation_outlives_a_prefill_queue_longer_than_its_ttl(stack: dict[str, Service]) -> None:
     prefill, decode = stack["prefill"], stack["decode"]
-    blocker = asyncio.ensure_future(_occupy(prefill.address, "blocker", BLOCKER_TOKENS))
+    # P runs one sequence at a time: a generation longer than the test holds it until the
+    # queued send has waited past D's TTL on P (seen in P's status, then timed here, so no
+    # machine speed decides whether the send waited long enough); then it is cancelled.
+    blocker = asyncio.ensure_future(_occupy(prefill.address, "blocker", LONG_BLOCKER_TOKENS))
     await _wait_running(prefill.address)
-    record = await _send(stack["router"], "queued", list(range(20, 120)))
-    assert await blocker == BLOCKER_TOKENS
+    sent = asyncio.ensure_future(_send(stack["router"], "queued", list(range(20, 120))))
+    await _wait_waiting(prefill.address)
+    await asyncio.sleep(TTL_S * 2)
+    assert not blocker.done()
+    blocker.cancel()  # its call ends, P aborts it and runs the queued send
+    record = await sent
     assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
     assert record.done is not None and len(record.token_ids) == 8
     # The KV came from P: the router did not have to fall back to D alone.
