@@ -162,7 +162,7 @@ async def test_disconnect_cancels_only_its_request_and_frees_every_page(
             await asyncio.sleep(0.01)
 
     kept_prompt = "the request that keeps going"
-    async with httpx.AsyncClient(base_url=gateway.api_url, timeout=60) as http:
+    async with httpx.AsyncClient(base_url=gateway.api_url, timeout=300) as http:
         async with http.stream("POST", "/completions", json=body(kept_prompt, KEPT_TOKENS, True)) as kept:
             assert kept.status_code == 200
             kept_lines = kept.aiter_lines()
