@@ -31,6 +31,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--metrics-port", int, "HTTP port of Prometheus /metrics; 0 picks a free one (default: none)"),
     ("--advertise-address", str, "host:port peers push KV to (default host:bound port)"),
     ("--device", str, "cpu | cuda | cuda:N (embedded)"),
+    ("--cpu-threads", int, "torch threads of the embedded engine on the CPU (default 0: one per "
+     "core); engines sharing a host's cores each need their share"),
     ("--role", str, "prefill | decode | both"),
     ("--dtype", str, "auto | float32 | bfloat16 | float16 (embedded; auto: bf16 on CUDA)"),
     ("--page-size", int, "tokens per KV page (embedded)"),

@@ -51,6 +51,7 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
     return EngineConfig(
         model=settings.model,
         device=settings.device,
+        cpu_threads=settings.cpu_threads,
         dtype=settings.engine_dtype,
         page_size=settings.page_size,
         num_pages=settings.num_pages,

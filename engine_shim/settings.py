@@ -36,6 +36,12 @@ class ShimSettings(BaseSettings):
         description="host:port peers use to push KV to this shim (default: host and bound port).",
     )
     device: str = Field("cpu", description="Device of the embedded engine: cpu, cuda, cuda:N.")
+    cpu_threads: int = Field(
+        0, ge=0,
+        description="Torch threads of the embedded engine on the CPU; 0: torch's default, one "
+        "per core. Give each engine on a host its share of the cores: threads that outnumber "
+        "the cores spin against each other (30x slower steps with 3 engines on 2 cores).",
+    )
     role: Role = Field("both", description="Role advertised to the router.")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# One torch thread per engine, here and in every process the tests start: the suite runs up to
+# six engine processes on two cores, and torch's default (a thread per core each) makes their
+# OpenMP threads spin against each other (a three-shim stack stepped 30x slower). `microserving
+# up` shares the cores the same way (--cpu-threads). Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 _LEVELS = ("unit", "integration", "e2e", "gpu")
 

@@ -76,6 +76,22 @@ def test_up_gives_each_router_replica_and_shim_a_metrics_port_of_its_own() -> No
     assert "--metrics-port" not in microserving.stack.up.shim_command(plain, "both", 0)
 
 
+def test_up_shares_the_cores_between_its_cpu_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    def threads(argv: list[str]) -> str | None:
+        return argv[argv.index("--cpu-threads") + 1] if "--cpu-threads" in argv else None
+
+    monkeypatch.setattr(microserving.stack.up.os, "cpu_count", lambda: 8)
+    plan = microserving.stack.up.plan_from_args(["--prefill", "1", "--decode", "3"])
+    assert {threads(microserving.stack.up.shim_command(plan, r, i)) for i, r in enumerate(plan.roles)} == {"2"}
+    crowded = microserving.stack.up.plan_from_args(["--engines", "12"])
+    assert threads(microserving.stack.up.shim_command(crowded, "both")) == "1"
+    chosen = microserving.stack.up.plan_from_args(["--engines", "2", "--shim-arg=--cpu-threads=3"])
+    assert microserving.stack.up.shim_command(chosen, "both")[-1] == "--cpu-threads=3"
+    assert threads(microserving.stack.up.shim_command(chosen, "both")) is None
+    gpu = microserving.stack.up.plan_from_args(["--engines", "2", "--device", "cuda"])
+    assert threads(microserving.stack.up.shim_command(gpu, "both")) is None
+
+
 def test_a_taken_gateway_port_fails_before_any_engine_starts() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

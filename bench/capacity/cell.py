@@ -65,7 +65,9 @@ def cell_figures(
     for name, (cpu_after, engine_after) in closed.processes.items():
         cpu_before, engine_before = opened.processes[name]
         engine_s = engine_after - engine_before
-        serving_s[name] = cpu_after - cpu_before - engine_s
+        # /proc counts in clock ticks (10 ms), the thread's and the group's rounded apart:
+        # an idle process's difference can come out a tick below zero.
+        serving_s[name] = max(0.0, cpu_after - cpu_before - engine_s)
         if name.startswith(("shim", "engine")):  # the processes that run an engine thread
             engine_threads[name] = _per_1k(engine_s, num_tokens)
         cores[name] = (cpu_after - cpu_before) / window_s

@@ -43,6 +43,8 @@ class StackProcess:
     def cpu_s(self) -> tuple[float, float]:
         """(CPU of the process group, CPU of its engine thread) in seconds."""
         pid = self.service.process.pid
+        # The thread first: the group read after it includes all the thread has used by
+        # then, so at both ends the group minus the thread errs the same way.
         engine_s = thread_cpu_s(self.engine_tid) if self.engine_tid else 0.0
         return group_cpu_s(pid), engine_s  # started with its own session: pgid == pid
 

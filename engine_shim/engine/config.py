@@ -171,6 +171,10 @@ def _rope_scaling(raw: dict[str, Any]) -> RopeScaling | None:
 class EngineConfig:
     model: str = "tiny"  # a preset name (MODEL_PRESETS) or a local HF directory
     device: str = "cpu"
+    # Torch intra-op threads of the engine's process on the CPU; 0 keeps torch's default (one
+    # per core). Engines sharing a host's cores each need a share of them: OpenMP threads of
+    # one engine that outnumber its cores spin against the other engines' threads.
+    cpu_threads: int = 0
     dtype: str = "float32"  # float32 | bfloat16 | float16
     page_size: int = 16  # tokens per KV page
     num_pages: int | None = None  # None: derive from kv_cache_memory_mb
@@ -203,6 +207,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"unsupported dtype {self.dtype!r}")
+        if self.cpu_threads < 0:
+            raise ValueError("cpu_threads must be >= 0")
         if self.page_size < 1:
             raise ValueError("page_size must be >= 1")
         if self.num_pages is not None and self.num_pages < 1:

@@ -74,6 +74,8 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        if config.cpu_threads and not config.device.startswith("cuda"):
+            torch.set_num_threads(config.cpu_threads)
         self.model_config: ModelConfig = resolve_model_config(config.model)
         model_dir = None if config.model in MODEL_PRESETS else Path(config.model)
         self.tokenizer = Tokenizer.from_model(config.model)

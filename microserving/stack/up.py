@@ -48,6 +48,7 @@ class StackPlan:
     router_replicas: int = 1
     shim_args: tuple[str, ...] = ()
     metrics_base_port: int | None = None  # routers' /metrics from here, then the shims'
+    cpu_threads: int = 0  # torch threads of each embedded CPU engine; 0: the shim's default
 
     def metrics_port(self, service: str, index: int) -> int | None:
         """The /metrics port of router replica or shim `index` (the gateway serves its own
@@ -65,6 +66,13 @@ def default_process_counts(num_cpus: int) -> tuple[int, int]:
     gateway_workers = max(1, min(4, num_cpus // 4))
     router_replicas = max(1, min(4, num_cpus // 8))
     return gateway_workers, router_replicas
+
+
+def cpu_threads_per_engine(num_cpus: int, num_engines: int) -> int:
+    """Each embedded CPU engine's share of the host's cores. Torch would give every engine a
+    thread per core; several engines' OpenMP threads then spin against each other (on 2
+    cores, 3 engines stepped 30x slower than with one thread each)."""
+    return max(1, num_cpus // max(1, num_engines))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,11 +173,15 @@ def plan_from_args(argv: list[str]) -> StackPlan:
         parser.error("--gateway-workers and --router-replicas must be at least 1")
     if gateway_workers > 1:
         gateway_args += ["--workers", str(gateway_workers)]
+    shim_args = tuple(args.shim_arg) + shim_extra
+    cpu_threads = 0
+    if args.device == "cpu" and not any(a.startswith("--cpu-threads") for a in shim_args):
+        cpu_threads = cpu_threads_per_engine(os.cpu_count() or 1, len(roles))
     return StackPlan(args.model, pattern, roles, args.pd_balance_factor, args.device, args.host,
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
                      args.grace_s, transport, router_extra, tuple(args.api_key),
-                     gateway_workers, router_replicas, tuple(args.shim_arg) + shim_extra,
-                     args.metrics_base_port)
+                     gateway_workers, router_replicas, shim_args, args.metrics_base_port,
+                     cpu_threads)
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
@@ -182,8 +194,9 @@ def _metrics_args(port: int | None) -> tuple[str, ...]:
 
 def shim_command(plan: StackPlan, role: str, index: int = 0) -> list[str]:
     backend = () if any(a.startswith("--backend") for a in plan.shim_args) else ("--backend", "embedded")
+    threads = ("--cpu-threads", str(plan.cpu_threads)) if plan.cpu_threads else ()
     return _command("shim", *backend, "--model", plan.model, "--role", role,
-                    "--device", plan.device, "--host", INTERNAL_HOST, "--port", "0",
+                    "--device", plan.device, *threads, "--host", INTERNAL_HOST, "--port", "0",
                     *_metrics_args(plan.metrics_port("shim", index)), *plan.shim_args)
 
 
