@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model {args.model}: {mc.num_parameters / 1e9:.2f}B parameters", flush=True)
     engine = new_engine(args.model, max(batches))
     graphs = engine.runner.graphs
-    print(f"decode: triton kernel {engine.runner.use_paged_decode_kernel}, CUDA graphs for "
+    print(f"decode: triton kernel {engine.runner.use_paged_kernels}, CUDA graphs for "
           f"batches {graphs.buckets if graphs else None}", flush=True)
     figures: list[Figure] = []
     for length in lengths:

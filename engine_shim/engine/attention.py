@@ -6,7 +6,8 @@ of positions [0, ctx_len) from the cache through its slot list (absolute slot in
 from its block table). This is the gather-based reference path: correct on any device, one
 sequence at a time so a sequence's numbers do not depend on what else is in the batch. On CUDA
 a decode step instead carries tensor metadata (`PagedDecode`) and runs the Triton kernel of
-triton_attention.py, which reads K/V through the block table without gathering them.
+triton_attention.py, which reads K/V through the block table without gathering them; the
+prefilling sequences of a step go through one kernel of triton_prefill.py together.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from .triton_attention import paged_decode_attention
+from .triton_prefill import PagedPrefill, paged_prefill_attention
 
 
 @dataclass
@@ -63,6 +65,7 @@ class AttnContext:
     decode: DecodeBatch | None = None  # set when every q_len == 1
     paged_decode: PagedDecode | None = None  # CUDA decode through the Triton kernel
     mixed_decode: MixedDecode | None = None  # CUDA: the decode rows of a mixed step
+    paged_prefill: PagedPrefill | None = None  # CUDA: every prefilling sequence, one kernel
 
 
 def build_decode_batch(seqs: list[SeqAttnInfo], sliding_window: int | None) -> DecodeBatch:
@@ -110,6 +113,8 @@ def paged_attention(
             q.index_select(0, mixed.rows), k_cache, v_cache, meta.block_tables,
             meta.context_lens, meta.page_size, scale,
         )
+    if ctx.paged_prefill is not None:  # ctx.seqs is then empty
+        paged_prefill_attention(q, k_cache, v_cache, out, ctx.paged_prefill, scale)
     for seq in ctx.seqs:
         # 4-D [1, H, len, D] inputs: SDPA's fused (flash / memory-efficient) kernels need a
         # batch dimension; 3-D inputs fall back to the math kernel, quadratic in memory.

@@ -24,6 +24,7 @@ from .cuda_graphs import DecodeGraphRunner, DecodeInputs, Feed, ReadBack
 from .kv_cache import KVCache
 from .model import CausalLM
 from .scheduler import ScheduledSeq
+from .triton_prefill import PrefillRows, build_paged_prefill
 
 
 @dataclass
@@ -74,17 +75,16 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.page_size = page_size
         self.device = next(model.parameters()).device
-        # The Triton decode kernel covers full attention; sliding windows keep the reference.
-        self.use_paged_decode_kernel = (
-            self.device.type == "cuda"
-            and config.sliding_window is None
-            and triton_attention.is_available(self.device)
+        # The Triton kernels (decode, prefill) cover full attention; sliding windows keep the
+        # reference. On the CPU only under Triton's interpreter (the kernel tests).
+        self.use_paged_kernels = (
+            config.sliding_window is None and triton_attention.is_available(self.device)
         )
         self.graphs: DecodeGraphRunner | None = None
 
     def capture_cuda_graphs(self, max_batch: int, max_context_length: int) -> None:
         """Capture decode graphs for batches up to max_batch (CUDA with the Triton kernel)."""
-        if not self.use_paged_decode_kernel:
+        if not self.use_paged_kernels or self.device.type != "cuda":
             return
         max_pages = -(-max_context_length // self.page_size)
         runner = DecodeGraphRunner(
@@ -104,7 +104,7 @@ class ModelRunner:
         so a later step can be fed from it."""
         if feed is not None and not (_is_fed_decode(batch) and all(needs_logits)):
             raise ValueError("only a decode batch whose every row samples can be fed")
-        if self.use_paged_decode_kernel and (feed is not None or _is_pure_decode(batch)):
+        if self.use_paged_kernels and (feed is not None or _is_pure_decode(batch)):
             return self._run_paged_decode(batch, needs_logits, feed)
         input_ids: list[int] = []
         positions: list[int] = []
@@ -112,24 +112,32 @@ class ModelRunner:
         seq_infos: list[SeqAttnInfo] = []
         last_token_rows: list[int] = []
         sampled_index: list[int] = []
-        # CUDA: the decode rows of a step that also prefills go through the Triton kernel
-        # together; only the prefilling sequences take the per-sequence path (a loop over
-        # every sequence made such a step ~30x slower at 128 running sequences).
-        split_decode = self.use_paged_decode_kernel and feed is None
+        # CUDA: a step that prefills runs its decode rows through the Triton decode kernel in
+        # one launch and its prefilling sequences through the prefill kernel in another (a
+        # loop over every sequence made such a step ~30x slower at 128 running sequences).
+        # Their slots are computed here on the host: no device round trip.
+        paged = self.use_paged_kernels and feed is None
+        page_size = self.page_size
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
+        prefills: list[PrefillRows] = []
         for i, item in enumerate(batch):
             seq, begin = item.seq, item.seq.num_computed_tokens
             end = begin + item.num_tokens
-            if split_decode and item.num_tokens == 1 and begin > 0:
+            table = seq.block_table
+            if paged and item.num_tokens == 1 and begin > 0:
                 decode_rows.append(len(input_ids))
-                decode_tables.append(seq.block_table)
+                decode_tables.append(table)
                 decode_lens.append(end)
                 input_ids.append(seq.token_ids[begin])
                 positions.append(begin)
-                page_size = self.page_size
-                slot_mapping.append(seq.block_table[begin // page_size] * page_size + begin % page_size)
+                slot_mapping.append(table[begin // page_size] * page_size + begin % page_size)
+            elif paged:
+                prefills.append(PrefillRows(len(input_ids), item.num_tokens, end, table))
+                input_ids.extend(seq.token_ids[begin:end])
+                positions.extend(range(begin, end))
+                slot_mapping.extend(table[p // page_size] * page_size + p % page_size for p in range(begin, end))
             else:
                 slots = self._slots(seq.block_table, end)  # [end]
                 seq_infos.append(SeqAttnInfo(len(input_ids), item.num_tokens, end, slots))
@@ -155,6 +163,8 @@ class ModelRunner:
                 PagedDecode(torch.tensor(tables, dtype=torch.int32, device=self.device),
                             torch.tensor(decode_lens, dtype=torch.int32, device=self.device),
                             self.page_size))
+        if prefills:
+            ctx.paged_prefill = build_paged_prefill(prefills, page_size, self.device)
         elif len(seq_infos) > 1 and all(s.q_len == 1 for s in seq_infos):
             ctx.decode = build_decode_batch(seq_infos, self.config.sliding_window)
         ids_t = (
