@@ -59,6 +59,10 @@ class ShimSettings(BaseSettings):
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     cuda_graphs: bool = Field(True, description="Replay captured CUDA graphs for decode steps.")
+    paged_prefill: bool = Field(
+        True, description="CUDA: a step's prefilling sequences in one Triton kernel launch a "
+        "layer (false: one attention call per sequence, the reference).",
+    )
     prefill_hold_ms: float = Field(
         0.0, ge=0.0, le=1000.0,
         description="While requests decode, a new prompt waits up to this long for others to "

@@ -193,6 +193,9 @@ class EngineConfig:
     kv_export_chunk_bytes: int | None = None
     max_context_length: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode steps
+    # On CUDA, a step's prefilling sequences go through one Triton kernel launch a layer
+    # (triton_prefill.py); False: one SDPA per sequence, the reference (for comparisons).
+    paged_prefill: bool = True
     # Launch step N+1 before detokenizing step N's tokens (requests without stop strings),
     # so the host's text and delta work runs while the device computes. None: on CUDA only
     # (on the CPU the forward itself is the host's work, so there is nothing to overlap).

@@ -92,7 +92,9 @@ class LLMEngine:
             self.block_manager, config.max_num_seqs, config.prefill_chunk_size,
             prefill_hold_s=config.prefill_hold_ms / 1e3,
         )
-        self.runner = ModelRunner(self.model, self.model_config, self.kv_cache, self.page_size)
+        self.runner = ModelRunner(
+            self.model, self.model_config, self.kv_cache, self.page_size, config.paged_prefill
+        )
         self.fingerprint = model_fingerprint(self.model_config, model_dir, config.seed, config.dtype)
         self.model_id = config.model if model_dir is None else model_dir.name
         self.max_context_length = min(

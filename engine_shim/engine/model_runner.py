@@ -69,7 +69,10 @@ class RunResult:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, config: ModelConfig, kv_cache: KVCache, page_size: int):
+    def __init__(
+        self, model: CausalLM, config: ModelConfig, kv_cache: KVCache, page_size: int,
+        paged_prefill: bool = True,
+    ) -> None:
         self.model = model
         self.config = config
         self.kv_cache = kv_cache
@@ -80,6 +83,7 @@ class ModelRunner:
         self.use_paged_kernels = (
             config.sliding_window is None and triton_attention.is_available(self.device)
         )
+        self.use_paged_prefill = paged_prefill  # with use_paged_kernels
         self.graphs: DecodeGraphRunner | None = None
 
     def capture_cuda_graphs(self, max_batch: int, max_context_length: int) -> None:
@@ -133,7 +137,7 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[begin])
                 positions.append(begin)
                 slot_mapping.append(table[begin // page_size] * page_size + begin % page_size)
-            elif paged:
+            elif paged and self.use_paged_prefill:
                 prefills.append(PrefillRows(len(input_ids), item.num_tokens, end, table))
                 input_ids.extend(seq.token_ids[begin:end])
                 positions.extend(range(begin, end))

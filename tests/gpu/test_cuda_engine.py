@@ -87,6 +87,45 @@ def test_triton_decode_kernel_matches_the_gather_reference_in_bf16(
         torch.testing.assert_close(out[b].float(), ref[:, 0], atol=3e-2, rtol=0)
 
 
+def test_triton_prefill_kernel_matches_the_gather_reference_in_bf16() -> None:
+    """Every prefilling sequence of a step in one launch: whole prompts (one and several query
+    tiles), chunks after cached keys, a one-query sequence; scattered pages, GQA, strided q."""
+    from engine_shim.engine.triton_prefill import (
+        PrefillRows,
+        build_paged_prefill,
+        paged_prefill_attention,
+    )
+
+    torch.manual_seed(1)
+    heads, kv_heads, dim, page = 32, 8, 64, 16
+    shapes = [(1000, 1000), (7, 7), (100, 612), (1, 300), (64, 64), (65, 129)]  # (q_len, ctx_len)
+    pages = sum(math.ceil(c / page) for _, c in shapes) + 8
+    k = torch.randn(pages * page, kv_heads, dim, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    order = torch.randperm(pages).tolist()
+    rows, q_start = [], 0
+    for q_len, ctx_len in shapes:
+        rows.append(PrefillRows(q_start, q_len, ctx_len, [order.pop() for _ in range(math.ceil(ctx_len / page))]))
+        q_start += q_len
+    qkv = torch.randn(q_start, (heads + 2 * kv_heads) * dim, device="cuda", dtype=torch.bfloat16)
+    q = qkv[:, : heads * dim].view(q_start, heads, dim)
+    out = torch.zeros(q_start, heads, dim, device="cuda", dtype=torch.bfloat16)
+    paged_prefill_attention(q, k, v, out, build_paged_prefill(rows, page, torch.device("cuda")), dim**-0.5)
+    for row in rows:
+        pos = torch.arange(row.ctx_len, device="cuda")
+        table = torch.tensor(row.block_table, device="cuda")
+        slots = table[pos // page] * page + pos % page
+        kk = k[slots].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)  # [H, ctx, D]
+        vv = v[slots].float().transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        qq = q[row.q_start : row.q_start + row.q_len].float().transpose(0, 1)  # [H, q_len, D]
+        scores = qq @ kk.transpose(1, 2) * dim**-0.5
+        q_pos = torch.arange(row.ctx_len - row.q_len, row.ctx_len, device="cuda")[:, None]
+        scores = scores.masked_fill(pos[None, :] > q_pos, float("-inf"))
+        ref = (torch.softmax(scores, -1) @ vv).transpose(0, 1)  # [q_len, H, D]
+        got = out[row.q_start : row.q_start + row.q_len].float()
+        torch.testing.assert_close(got, ref, atol=3e-2, rtol=0)  # P rounded to bf16, as in decode
+
+
 def _engine_logits_over_decode(engine: LLMEngine, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
     """Logits after the prompt and after each forced token, via the engine's runner (CUDA
     graphs and the Triton kernel for the decode steps)."""
