@@ -23,6 +23,7 @@ from engine_shim.engine.api import (
     ResourceExhaustedError,
     UnavailableError,
 )
+from microserving.transport import FAULT_METADATA_KEY
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ def status_code_for(error: EngineError) -> grpc.StatusCode:
 
 async def _abort_for(error: Exception, context: aio.ServicerContext, method: str) -> None:
     code = status_code_for(error) if isinstance(error, EngineError) else grpc.StatusCode.INTERNAL
+    fault = getattr(error, "fault", None)  # another engine is at fault (kv_sender.py)
+    if fault:
+        context.set_trailing_metadata(((FAULT_METADATA_KEY, fault),))
     if code != grpc.StatusCode.INTERNAL:
         await context.abort(code, str(error) or type(error).__name__)
     logger.error("unexpected error in %s", method, exc_info=error)

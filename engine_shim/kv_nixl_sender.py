@@ -23,7 +23,7 @@ from engine_shim.kv_addr import KVAddrInfo, NixlOffer
 from engine_shim.kv_hold import holding
 from engine_shim.kv_nixl import NixlPlane
 from engine_shim.kv_nixl_descs import segment_slots
-from engine_shim.kv_sender import PEER_ERRORS, PeerChannels
+from engine_shim.kv_sender import PEER_ERRORS, PeerChannels, ReceiverUnavailableError
 from microserving.v1 import engine_pb2
 
 
@@ -136,9 +136,9 @@ async def _event(future: asyncio.Future[Any], kind: str, deadline: float) -> Non
     try:
         event = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
     except TimeoutError:
-        raise UnavailableError(f"the receiver did not answer {kind!r} in time") from None
+        raise ReceiverUnavailableError(f"the receiver did not answer {kind!r} in time") from None
     except aio.AioRpcError as error:
-        error_type = PEER_ERRORS.get(error.code(), UnavailableError)
+        error_type = PEER_ERRORS.get(error.code(), ReceiverUnavailableError)
         raise error_type(f"KV write handshake failed: {error.details()}") from None
     if event is aio.EOF or event.WhichOneof("event") != kind:
-        raise UnavailableError(f"the receiver ended the KV write without {kind!r}")
+        raise ReceiverUnavailableError(f"the receiver ended the KV write without {kind!r}")

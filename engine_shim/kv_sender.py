@@ -25,8 +25,17 @@ from engine_shim.engine.api import (
 )
 from engine_shim.kv_addr import KVAddrInfo
 from engine_shim.kv_codec import bytes_per_token, encode_chunk_request, split_chunk
-from microserving.transport import TransportSettings, create_channel
+from microserving.transport import FAULT_RECEIVER, TransportSettings, create_channel
 from microserving.v1 import engine_pb2
+
+
+class ReceiverUnavailableError(UnavailableError):
+    """The receiving shim could not be reached, or failed, during a KV transfer: RemoteSend
+    then ends UNAVAILABLE with trailing metadata naming the receiver as the one at fault
+    (FAULT_METADATA_KEY), so a router takes the receiver out of rotation, not this engine."""
+
+    fault = FAULT_RECEIVER
+
 
 PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
@@ -176,7 +185,7 @@ async def push_kv(
     except aio.AioRpcError as error:
         if progress.error is not None:
             raise progress.error from None
-        error_type = PEER_ERRORS.get(error.code(), UnavailableError)
+        error_type = PEER_ERRORS.get(error.code(), ReceiverUnavailableError)
         raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
     finally:
         await _close(chunks)

@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 # Largest gRPC message a server accepts or a channel sends; KV chunks are kept well below it.
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 TOKEN_METADATA_KEY = "authorization"
+# Trailing metadata of a failed engine call whose fault lies with another engine. RemoteSend
+# sets "receiver" when the shim it pushed KV to could not be reached or failed mid-transfer,
+# so the router blames that engine, not the sender that answered.
+FAULT_METADATA_KEY = "microserving-fault"
+FAULT_RECEIVER = "receiver"
 
 # The standard services that stay callable without the shared token, so health probes
 # (docker, Kubernetes) and tooling work; everything else requires it when a token is set.

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from microserving import tracing
+from microserving.transport import FAULT_METADATA_KEY, FAULT_RECEIVER
 from microserving.v1 import common_pb2, engine_pb2
 from router.endpoint import (
     STAGE_DECODE,
@@ -74,9 +75,10 @@ async def prep_recv(router: Router, endpoint: Endpoint, job: EngineJob, end: int
 
 async def remote_send(
     router: Router, endpoint: Endpoint, job: EngineJob, *, begin: int, end: int, kv_addr_info: bytes,
-    recv_rank: int,
+    recv_rank: int, receiver: str | None = None,
 ) -> None:
-    """RemoteSend on the sender; returns once the KV reached the receiver."""
+    """RemoteSend on the sender; returns once the KV reached the receiver. When the sender
+    says the receiver failed (trailing metadata), the error names `receiver` (if known)."""
     ctx = router.context(job.request_id)
     ctx.touch(endpoint.address)
     message = engine_pb2.RemoteSendRequest(
@@ -89,9 +91,15 @@ async def remote_send(
             await endpoint.stub.RemoteSend(message, timeout=router.settings.remote_send_timeout_s,
                                            metadata=tracing.metadata(span.traceparent))
     except grpc.aio.AioRpcError as exc:
-        raise router.call_failed(exc, endpoint.address, "remote_send") from exc
+        at_fault = receiver if receiver is not None and _blames_receiver(exc) else endpoint.address
+        raise router.call_failed(exc, at_fault, "remote_send") from exc
     num_tokens = normalise_end(end, len(job.token_ids)) - begin
     observe_remote_send(router.metrics, endpoint, num_tokens, time.perf_counter() - started_s)
+
+
+def _blames_receiver(exc: grpc.aio.AioRpcError) -> bool:
+    trailing = exc.trailing_metadata() or ()
+    return any(key == FAULT_METADATA_KEY and value == FAULT_RECEIVER for key, value in trailing)
 
 
 def _span(call: str, endpoint: Endpoint, job: EngineJob, traceparent: str) -> tracing.Span:

@@ -73,7 +73,7 @@ async def _disagg_with_factor(
     if matched < decode_start:
         await engine_calls.remote_send(
             router, prefill, job, begin=matched, end=end, kv_addr_info=kv_addr_info,
-            recv_rank=router.device_id_start(decode.address),
+            recv_rank=router.device_id_start(decode.address), receiver=decode.address,
         )
     salt = job.sampling.cache_salt
     router.prefix_index.record(prefill.address, prompt[:decode_start], salt)
@@ -141,7 +141,7 @@ async def migrate(router: Router, token_ids: list[int], source: str, target: str
         if matched < end:
             await engine_calls.remote_send(
                 router, source_engine, job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
-                recv_rank=router.device_id_start(target),
+                recv_rank=router.device_id_start(target), receiver=target,
             )
             moved = end - matched
         async with contextlib.aclosing(engine_calls.start_generate(router, target_engine, job, end)) as stream:

@@ -34,6 +34,7 @@ from shim_helpers import (
 )
 
 from engine_shim.kv_nixl import load_nixl
+from microserving.transport import FAULT_METADATA_KEY, FAULT_RECEIVER
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 NIXL, WHY_NOT = load_nixl()
@@ -208,7 +209,8 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
             started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as failed:
                 await p_stub.RemoteSend(send, timeout=8.0)
-            codes.append((failed.value.code(), time.monotonic() - started))
+            codes.append((failed.value.code(), time.monotonic() - started,
+                          dict(failed.value.trailing_metadata() or ())))
             if stop == signal.SIGSTOP:
                 os.kill(lone_receiver.process.pid, signal.SIGCONT)
             # The sender's pages (the send's own) come back either way.
@@ -216,6 +218,8 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
     stalled, dead = codes
     assert stalled[0] in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
     assert dead[0] == grpc.StatusCode.UNAVAILABLE and dead[1] < 8.0
+    # The sender says whose fault it is, so a router takes the receiver out of rotation.
+    assert dead[2].get(FAULT_METADATA_KEY) == FAULT_RECEIVER
 
 
 async def test_write_kv_on_a_shim_without_nixl_is_invalid(tmp_path: Path):
