@@ -83,7 +83,9 @@ class EngineServicer:
     def RemoteSend(self, request, context):
         """On the sending engine: compute (or reuse from the prefix cache) the KV of
         prompt[begin:end] and write it into the receiver's reserved slots described by
-        kv_addr_info. Returns when the transfer has completed.
+        kv_addr_info. Returns when the transfer has completed. When the receiver could not be
+        reached or failed mid-transfer, fails UNAVAILABLE with the trailing metadata
+        `microserving-fault: receiver`: the receiver is at fault, not this engine.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

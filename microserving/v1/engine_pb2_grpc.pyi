@@ -55,7 +55,9 @@ class EngineStub:
     RemoteSend: _grpc.UnaryUnaryMultiCallable[_engine_pb2.RemoteSendRequest, _engine_pb2.RemoteSendResponse]
     """On the sending engine: compute (or reuse from the prefix cache) the KV of
     prompt[begin:end] and write it into the receiver's reserved slots described by
-    kv_addr_info. Returns when the transfer has completed.
+    kv_addr_info. Returns when the transfer has completed. When the receiver could not be
+    reached or failed mid-transfer, fails UNAVAILABLE with the trailing metadata
+    `microserving-fault: receiver`: the receiver is at fault, not this engine.
     """
     StartGenerate: _grpc.UnaryStreamMultiCallable[_engine_pb2.StartGenerateRequest, _engine_pb2.StartGenerateResponse]
     """On the receiving engine: prefill prompt[begin:] over the KV already present, then
@@ -94,7 +96,9 @@ class EngineAsyncStub(EngineStub):
     RemoteSend: _aio.UnaryUnaryMultiCallable[_engine_pb2.RemoteSendRequest, _engine_pb2.RemoteSendResponse]  # type: ignore[assignment]
     """On the sending engine: compute (or reuse from the prefix cache) the KV of
     prompt[begin:end] and write it into the receiver's reserved slots described by
-    kv_addr_info. Returns when the transfer has completed.
+    kv_addr_info. Returns when the transfer has completed. When the receiver could not be
+    reached or failed mid-transfer, fails UNAVAILABLE with the trailing metadata
+    `microserving-fault: receiver`: the receiver is at fault, not this engine.
     """
     StartGenerate: _aio.UnaryStreamMultiCallable[_engine_pb2.StartGenerateRequest, _engine_pb2.StartGenerateResponse]  # type: ignore[assignment]
     """On the receiving engine: prefill prompt[begin:] over the KV already present, then
@@ -142,7 +146,9 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_engine_pb2.RemoteSendResponse, _abc.Awaitable[_engine_pb2.RemoteSendResponse]]:
         """On the sending engine: compute (or reuse from the prefix cache) the KV of
         prompt[begin:end] and write it into the receiver's reserved slots described by
-        kv_addr_info. Returns when the transfer has completed.
+        kv_addr_info. Returns when the transfer has completed. When the receiver could not be
+        reached or failed mid-transfer, fails UNAVAILABLE with the trailing metadata
+        `microserving-fault: receiver`: the receiver is at fault, not this engine.
         """
 
     @_abc_1.abstractmethod
