@@ -42,6 +42,7 @@ import os
 import secrets
 import socket
 import stat
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -57,7 +58,13 @@ HEADER_BYTES = 4096  # the nonce lives here; KV starts page-aligned after it
 MIN_SEGMENT_BYTES = 1 << 20
 MEMFD_NAME = "microserving-kv"  # shows as /memfd:microserving-kv in /proc/<pid>/fd
 _NONCE_BYTES = 32  # hex characters
-_MAX_SENDER_MAPPINGS = 64
+# A sender keeps this many receivers' segments mapped, least recently used out first. It must
+# cover the segments that rotate through the reservations in flight: at 64 bounded below
+# that, every push at 64 streams mapped (and faulted in) its segment anew, 14% of the prefill
+# shim's samples in the capacity bench. A mapping costs page tables, not memory.
+_MAX_SENDER_MAPPINGS = 1024
+# How often the mappings of segments their receiver closed are looked for (a stat each).
+RETIRED_CHECK_S = 1.0
 
 
 def host_identity() -> str | None:
@@ -193,18 +200,26 @@ class SegmentMaps:
 
     def __init__(self, host: str) -> None:
         self._host = host
-        self._maps: dict[tuple[int, int, str], _Mapped] = {}  # by (pid, fd, nonce)
+        # by (pid, fd, nonce), least recently used first
+        self._maps: dict[tuple[int, int, str], _Mapped] = {}
+        self._checked_at = time.monotonic()
 
     def open(self, offer: ShmOffer, num_kv_bytes: int) -> torch.Tensor | None:
         """The KV area (uint8) of the offered segment, or None when this sender cannot use
         it (another host, another pid namespace or user, a retired or too small segment):
         push over gRPC."""
-        self._drop_retired()
+        if time.monotonic() - self._checked_at >= RETIRED_CHECK_S:
+            self._drop_retired()
         if offer.host != self._host or offer.size - HEADER_BYTES < num_kv_bytes:
             return None
         key = (offer.pid, offer.fd, offer.nonce)
-        mapped = self._maps.get(key)
-        if mapped is None:
+        mapped = self._maps.pop(key, None)
+        if mapped is not None and not _is_held(key, mapped):
+            os.close(mapped.fd)  # its receiver closed it
+            return None
+        if mapped is not None:
+            self._maps[key] = mapped  # now the most recently used
+        else:
             mapped = _map(offer)
             if mapped is None:
                 return None
@@ -215,13 +230,9 @@ class SegmentMaps:
 
     def _drop_retired(self) -> None:
         """Mappings of segments their receiver closed (or that died) hold memory: drop them."""
+        self._checked_at = time.monotonic()
         for key, mapped in list(self._maps.items()):
-            pid, fd, _ = key
-            try:
-                is_held = os.stat(f"/proc/{pid}/fd/{fd}").st_ino == mapped.inode
-            except OSError:
-                is_held = False
-            if not is_held:
+            if not _is_held(key, mapped):
                 self._drop(key)
 
     def _drop(self, key: tuple[int, int, str]) -> None:
@@ -230,6 +241,15 @@ class SegmentMaps:
     def close(self) -> None:
         for key in list(self._maps):
             self._drop(key)
+
+
+def _is_held(key: tuple[int, int, str], mapped: _Mapped) -> bool:
+    """Whether the receiver still holds the segment at that descriptor."""
+    pid, fd, _ = key
+    try:
+        return os.stat(f"/proc/{pid}/fd/{fd}").st_ino == mapped.inode
+    except OSError:
+        return False
 
 
 def _map(offer: ShmOffer) -> _Mapped | None:

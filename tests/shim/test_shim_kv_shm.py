@@ -30,7 +30,7 @@ from shim_helpers import (
 from engine_shim.engine.api import KVLayout
 from engine_shim.kv_addr import ShmOffer
 from engine_shim.kv_codec import bytes_per_token, staged_chunk
-from engine_shim.kv_shm import SegmentMaps, host_identity, stage_fds
+from engine_shim.kv_shm import RETIRED_CHECK_S, SegmentMaps, host_identity, stage_fds
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -229,7 +229,9 @@ async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
         assert _names_in_dev_shm() == before  # memfds: nothing named that could leak
     finally:
         assert receiver.stop() == 0  # SIGTERM: drained and stopped cleanly
-    # P lets go of the gone receiver's segment at its next push (to another receiver).
+    # P lets go of the gone receiver's segment at its first push (to another receiver) once
+    # its periodic look for closed segments is due.
+    await asyncio.sleep(RETIRED_CHECK_S * 1.1)
     await _pd(shm_prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
     assert await _logged_path(shm_prefill_shim, "after-lifetime") == "shm"
     assert stage not in _stage_inodes(shm_prefill_shim.process.pid)
