@@ -13,6 +13,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from microserving import tracing
+from microserving.pattern_names import PATTERN_NAMES
 from microserving.tokenizer import MODEL_HELP
 from microserving.tracing import configure_logging
 from router.router import Router
@@ -30,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-dns", dest="engine_dns", action="append", metavar="NAME:PORT=ROLE",
         help="a DNS name re-resolved periodically, e.g. a headless Service (repeatable)")
     add("--engine-num-gpus", dest="engine_num_gpus", type=int, nargs="+", help="GPUs per --engine")
-    add("--pattern", choices=["round-robin", "disagg", "adaptive-disagg"],
+    add("--pattern", choices=PATTERN_NAMES,
         help="default orchestration pattern (round-robin: least loaded engine does all)")
     add("--router-class", metavar="PACKAGE.MODULE:CLASS",
         help="a Router subclass to run (e.g. my_router:CustomRouter, imported from PYTHONPATH)")

@@ -1,7 +1,8 @@
-"""The built-in orchestration patterns, each an async generator over the wire-level engine
-calls (engine_calls.py; the MLC-named helpers a custom translate_request uses wrap the same
-calls): data parallel, disaggregation (balanced, prefix-aware, any number of P and D),
-adaptive disaggregation, and context migration. Each returns the decode step unstarted
+"""The built-in orchestration patterns over the wire-level engine calls (engine_calls.py; the
+MLC-named helpers a custom translate_request uses wrap the same calls): data parallel,
+disaggregation (balanced, prefix-aware, any number of P and D), adaptive disaggregation, and
+context migration. Each takes the engines, the placement and the attempt it runs for, makes
+the calls that come before decoding and returns the decode step unstarted
 (`engine_calls.decode`: the request on the engine's multiplexed Generate stream on the
 runner's fast path, else the StartGenerate stream); a preempt arrives in it as
 FINISH_REASON_PREEMPT."""
@@ -11,156 +12,124 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
 
-from microserving.v1 import common_pb2, router_pb2
-from router import engine_calls
-from router.context import RequestContext
+import router.engine_calls as calls
+from microserving.v1 import common_pb2
+from router.attempt import Attempt, EngineJob
 from router.endpoint import DECODE, PREFILL, Endpoint
-from router.engine_calls import EngineJob
+from router.engine_calls import Decode
+from router.engines import Engines
 from router.errors import InvalidRequestError
+from router.placement import Placement
 from router.policies import adaptive_split, balanced_end, normalise_end
 
-if TYPE_CHECKING:
-    from router.router import Router
-
-# A pattern makes the engine calls that come before decoding, then hands back the decode
-# step (not yet started) for the caller to run: no generator layer per token.
-Messages = engine_calls.Messages
-Decode = engine_calls.Decode
-Pattern = Callable[["Router", EngineJob, RequestContext], Awaitable[Decode]]
-
-_PATTERN_NAMES = {
-    router_pb2.PATTERN_ROUND_ROBIN: "round-robin",
-    router_pb2.PATTERN_DISAGG: "disagg",
-    router_pb2.PATTERN_ADAPTIVE_DISAGG: "adaptive-disagg",
-}
+Pattern = Callable[[Engines, Placement, EngineJob, Attempt], Awaitable[Decode]]
 
 
-def pattern_name(router: Router, hints: router_pb2.PatternHints) -> str:
-    """The built-in pattern a request runs: its hint, else the router's default."""
-    return _PATTERN_NAMES.get(hints.pattern, router.router_mode)
-
-
-def pattern_for(router: Router, ctx: RequestContext) -> Pattern:
-    name = pattern_name(router, ctx.hints)
-    if name == "round-robin":
-        return round_robin
-    if name == "disagg":
-        # With no prefill engine in rotation (all died or stall) disagg degrades to the decode
-        # engine alone rather than failing requests a decode engine can serve.
-        return disagg
-    return adaptive_disagg
-
-
-async def round_robin(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
+async def round_robin(engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt) -> Decode:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
-    engine = router.select_engine(DECODE, job.token_ids, ctx)
-    router.prefix_index.record(engine.address, job.token_ids, job.sampling.cache_salt)
-    return engine_calls.decode(router, engine, job, 0)
+    engine = placement.select(DECODE, job.token_ids, attempt)
+    placement.prefix_index.record(engine.address, job.token_ids, job.sampling.cache_salt)
+    return calls.decode(engines, engine, job, attempt, 0)
 
 
 async def _disagg_with_factor(
-    router: Router, job: EngineJob, factor: float, decode: Endpoint, prefill: Endpoint | None,
+    engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt, factor: float,
+    decode: Endpoint, prefill: Endpoint | None,
 ) -> Decode:
     """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D)."""
     prompt = job.token_ids
     if prefill is None or prefill.address == decode.address or len(prompt) < 2:
-        return engine_calls.decode(router, decode, job, 0)
+        return calls.decode(engines, decode, job, attempt, 0)
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
-    kv_addr_info, matched = await engine_calls.prep_recv(router, decode, job, end)
+    kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, end)
     if matched < decode_start:
-        await engine_calls.remote_send(
-            router, prefill, job, begin=matched, end=end, kv_addr_info=kv_addr_info,
-            recv_rank=router.device_id_start(decode.address), receiver=decode.address,
+        await calls.remote_send(
+            engines, prefill, job, attempt, begin=matched, end=end, kv_addr_info=kv_addr_info,
+            recv_rank=engines.device_id_start(decode.address), receiver=decode.address,
         )
     salt = job.sampling.cache_salt
-    router.prefix_index.record(prefill.address, prompt[:decode_start], salt)
-    router.prefix_index.record(decode.address, prompt, salt)
-    return engine_calls.decode(router, decode, job, decode_start)
+    placement.prefix_index.record(prefill.address, prompt[:decode_start], salt)
+    placement.prefix_index.record(decode.address, prompt, salt)
+    return calls.decode(engines, decode, job, attempt, decode_start)
 
 
-def _factor(router: Router, ctx: RequestContext) -> float:
-    if ctx.hints.HasField("pd_balance_factor"):
-        factor = ctx.hints.pd_balance_factor
-        if not 0.0 <= factor < 1.0:
-            raise InvalidRequestError("pd_balance_factor must lie in [0, 1)", param="hints.pd_balance_factor")
-        return factor
-    return router.pd_balance_factor
+async def disagg(engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt) -> Decode:
+    """PD disaggregation over any number of P and D engines, balanced by the factor. With no
+    prefill engine in rotation (all died or stall) it degrades to the decode engine alone
+    rather than failing requests a decode engine can serve."""
+    decode = placement.select(DECODE, job.token_ids, attempt)
+    prefill = placement.try_select(PREFILL, job.token_ids, attempt, avoid=[decode.address])
+    factor = placement.factor_of(attempt)
+    return await _disagg_with_factor(engines, placement, job, attempt, factor, decode, prefill)
 
 
-async def disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
-    """PD disaggregation over any number of P and D engines, balanced by the factor."""
-    decode = router.select_engine(DECODE, job.token_ids, ctx)
-    prefill = router.try_select_engine(PREFILL, job.token_ids, ctx, avoid=[decode.address])
-    return await _disagg_with_factor(router, job, _factor(router, ctx), decode, prefill)
-
-
-async def adaptive_disagg(router: Router, job: EngineJob, ctx: RequestContext) -> Decode:
+async def adaptive_disagg(engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt) -> Decode:
     """Per request: split from measured P and D load; D alone when little is uncached or
     P is the bottleneck (policy in policies.adaptive_split, described in docs/router.md)."""
     prompt = job.token_ids
-    decode = router.select_engine(DECODE, prompt, ctx)
-    prefill = router.try_select_engine(PREFILL, prompt, ctx, avoid=[decode.address])
-    cached = router.prefix_index.match_all([decode.address], prompt, ctx.cache_salt)[decode.address]
+    decode = placement.select(DECODE, prompt, attempt)
+    prefill = placement.try_select(PREFILL, prompt, attempt, avoid=[decode.address])
+    cached = placement.prefix_index.match_all([decode.address], prompt, attempt.cache_salt)[decode.address]
+    factor = 0.0
     if prefill is not None:
         decision = adaptive_split(
-            router.adaptive_policy, num_prompt_tokens=len(prompt), num_cached_tokens=cached,
+            placement.adaptive_policy, num_prompt_tokens=len(prompt), num_cached_tokens=cached,
             prefill_load=prefill.load, decode_load=decode.load,
         )
         if decision.skip_prefill:
             prefill = None
         factor = decision.pd_balance_factor
-    else:
-        factor = 0.0
     if prefill is None:
-        router.prefix_index.record(decode.address, prompt, job.sampling.cache_salt)
-    return await _disagg_with_factor(router, job, factor, decode, prefill)
+        placement.prefix_index.record(decode.address, prompt, job.sampling.cache_salt)
+    return await _disagg_with_factor(engines, placement, job, attempt, factor, decode, prefill)
 
 
-async def migrate(router: Router, token_ids: list[int], source: str, target: str) -> tuple[int, int, str]:
+PATTERNS: dict[str, Pattern] = {"round-robin": round_robin, "disagg": disagg, "adaptive-disagg": adaptive_disagg}
+
+
+def pattern_for(placement: Placement, attempt: Attempt) -> Pattern:
+    return PATTERNS[placement.pattern_of(attempt)]
+
+
+async def migrate(
+    engines: Engines, placement: Placement, token_ids: list[int], source: str, target: str
+) -> tuple[int, int, str]:
     """Context migration: prep_recv(end=-1) on target, remote_send from source, then a
     one-token start_generate on target so the context lands in its prefix cache."""
-    target_engine = router.registry.get(target)
+    target_engine = engines.registry.get(target)
     if target_engine is None or not target_engine.is_available:
         raise InvalidRequestError(f"target {target!r} is not an available engine", param="target")
-    request_id = f"migrate-{uuid.uuid4().hex}"
-    ctx = router.open_context(request_id)
+    source = source or placement.migration_source(token_ids, target)
+    source_engine = engines.endpoint(source)  # a registered engine, or InvalidRequestError
+    attempt = Attempt(f"migrate-{uuid.uuid4().hex}")
+    job = EngineJob(attempt.engine_request_id, token_ids,
+                    common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1))
     try:
-        source = source or _choose_source(router, token_ids, target, ctx)
-        source_engine = router.endpoint(source)  # a registered engine, or InvalidRequestError
+        matched, moved = await _migrate_calls(engines, job, attempt, source_engine, target_engine)
     except BaseException:
-        router.close_context(ctx)
-        raise
-    job = EngineJob(request_id, token_ids, common_pb2.SamplingParams(max_tokens=1, temperature=0.0, n=1))
-    try:
-        kv_addr_info, matched = await engine_calls.prep_recv(router, target_engine, job, -1)
-        end = len(token_ids) - 1
-        moved = 0
-        if matched < end:
-            await engine_calls.remote_send(
-                router, source_engine, job, begin=matched, end=-1, kv_addr_info=kv_addr_info,
-                recv_rank=router.device_id_start(target), receiver=target,
-            )
-            moved = end - matched
-        async with contextlib.aclosing(engine_calls.start_generate(router, target_engine, job, end)) as stream:
-            async for _ in stream:
-                pass
-    except BaseException:
-        await router.abort_touched(ctx)
+        await engines.abort_touched(attempt)
         raise
     finally:
-        router.close_context(ctx)
-    router.prefix_index.record(target, token_ids)
+        attempt.release_reservations()
+    placement.prefix_index.record(target, token_ids)
     return matched, moved, source
 
 
-def _choose_source(router: Router, token_ids: list[int], target: str, ctx: RequestContext) -> str:
-    candidates = router.registry.candidates(PREFILL, exclude=[target])
-    if not candidates:
-        raise InvalidRequestError("no source engine besides the target", param="source")
-    matched = router.prefix_index.match_all([c.address for c in candidates], token_ids)
-    best = max(candidates, key=lambda c: (matched[c.address], -c.load))
-    del ctx
-    return best.address
+async def _migrate_calls(
+    engines: Engines, job: EngineJob, attempt: Attempt, source: Endpoint, target: Endpoint
+) -> tuple[int, int]:
+    kv_addr_info, matched = await calls.prep_recv(engines, target, job, attempt, -1)
+    end = len(job.token_ids) - 1
+    moved = 0
+    if matched < end:
+        await calls.remote_send(
+            engines, source, job, attempt, begin=matched, end=-1, kv_addr_info=kv_addr_info,
+            recv_rank=engines.device_id_start(target.address), receiver=target.address,
+        )
+        moved = end - matched
+    async with contextlib.aclosing(calls.start_generate(engines, target, job, attempt, end)) as stream:
+        async for _ in stream:
+            pass
+    return matched, moved

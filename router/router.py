@@ -14,33 +14,29 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import itertools
-import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from typing import Any
 
-import grpc
-
+from microserving.pattern_names import PatternName
 from microserving.tokenizer import Tokenizer
-from microserving.v1 import common_pb2, engine_pb2, router_pb2
-from router import engine_calls, kv_room, patterns
-from router.context import RequestContext
+from microserving.v1 import common_pb2
+from router.attempt import Attempt, EngineJob
 from router.conversions import engine_to_completion, request_to_sampling
-from router.discovery import DnsWatcher, parse_engine_spec
-from router.endpoint import DECODE, PREFILL, STAGE_RESERVED, Endpoint
-from router.engine_calls import EngineJob
-from router.engine_stream import EngineStream, StreamedDecode
-from router.errors import EngineCallError, InvalidRequestError, NoEngineError
+from router.discovery import DnsWatcher
+from router.endpoint import DECODE
+from router.engine_calls import Decode, prep_recv, remote_send, start_generate
+from router.engines import Engines
+from router.errors import InvalidRequestError
+from router.kv_room import wait_for_room
 from router.metrics import RouterMetrics
 from router.microserving_protocol import PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
-from router.policies import AdaptivePolicy, pick_cache_aware, pick_least_loaded
-from router.prefix_index import PrefixIndex
+from router.patterns import migrate, pattern_for
+from router.placement import Placement
 from router.registry import EngineRegistry
 from router.settings import RouterSettings
-
-logger = logging.getLogger(__name__)
+from router.streamed_decode import StreamedDecode
 
 # What a custom router may override; overriding any of them turns the fast path off.
 _PROGRAMMABLE = ("translate_request", "send_prepare_receive", "send_remote_send", "send_start_generate")
@@ -62,14 +58,11 @@ def settings_from_mlc_args(
     )
 
 
-def _strip_scheme(server_url: str) -> str:
-    for scheme in ("http://", "https://"):
-        if server_url.startswith(scheme):
-            return server_url[len(scheme):].rstrip("/")
-    return server_url
-
-
 class Router:
+    """MLC's router: subclass it and override translate_request (the built-in patterns run
+    when nothing is overridden). Composes the engines (engines.py) and the placement
+    (placement.py); the patterns and engine calls get those, never the Router."""
+
     def __init__(
         self,
         model: str = "tiny",
@@ -87,34 +80,17 @@ class Router:
         if settings is None:
             settings = settings_from_mlc_args(model, hosts, ports, num_gpus, router_mode, pd_balance_factor)
         self.settings = settings
-        self.router_mode: str = settings.pattern
-        self.pd_balance_factor: float = settings.pd_balance_factor
-        self.cache_aware: bool = settings.cache_aware
         self.model_id = settings.served_model_id
         self.created = int(time.time())
         self.tokenizer = Tokenizer.from_model(settings.model)
-        self.registry = EngineRegistry(
-            settings.transport,
-            health_interval_s=settings.health_interval_s,
-            health_timeout_s=settings.health_timeout_s,
-        )
-        for i, spec in enumerate(settings.engines):
-            parsed = parse_engine_spec(spec)
-            gpus = settings.engine_num_gpus[i] if i < len(settings.engine_num_gpus) else 1
-            self.registry.add(parsed.address, parsed.roles, num_gpus=gpus)
-        self.registry.add_listener(self._on_health_change)
         self.metrics = RouterMetrics(lambda: self.registry.endpoints)
-        self.prefix_index = PrefixIndex(settings.cache_page_size, settings.cache_max_pages_per_engine)
-        self.adaptive_policy = AdaptivePolicy(
-            min_remote_tokens=settings.adaptive_min_remote_tokens,
-            max_prefill_load_ratio=settings.adaptive_max_prefill_load_ratio,
-            max_factor=settings.adaptive_max_factor,
-        )
+        self.engines = Engines(settings, self.metrics)
+        self.placement = Placement(settings, self.engines.registry)
         self._dns = [DnsWatcher(self.registry, s, settings.dns_interval_s) for s in settings.engine_dns]
         self._background: list[asyncio.Task[None]] = []
-        self._contexts: dict[str, RequestContext] = {}
-        self._engine_streams: dict[str, EngineStream] = {}
-        self._turn = itertools.count()
+        # The attempts in flight by engine request id, for the MLC-named helpers only: a
+        # custom translate_request passes nothing but the request (its `user` is the id).
+        self._helper_attempts: dict[str, Attempt] = {}
 
     # ---- lifecycle ----
     async def start(self) -> None:
@@ -126,134 +102,63 @@ class Router:
     async def stop(self) -> None:
         for task in self._background:
             task.cancel()
-        await asyncio.gather(*(s.close() for s in self._engine_streams.values()))
-        self._engine_streams.clear()
-        await self.registry.stop()
+        await self.engines.stop()
 
-    def _on_health_change(self, endpoint: Endpoint, previous: int) -> None:
-        if previous == router_pb2.ENGINE_HEALTH_SERVING and not endpoint.is_available:
-            self.metrics.failovers.labels(engine=endpoint.address).inc()
-        if not endpoint.is_available:
-            self.prefix_index.forget(endpoint.address)  # it may come back with an empty cache
+    # ---- MLC's fields and engine tables ----
+    @property
+    def registry(self) -> EngineRegistry:
+        return self.engines.registry
 
-    # ---- MLC's engine tables ----
+    @property
+    def router_mode(self) -> PatternName:
+        return self.placement.default_pattern
+
+    @property
+    def pd_balance_factor(self) -> float:
+        return self.placement.pd_balance_factor
+
+    @pd_balance_factor.setter
+    def pd_balance_factor(self, value: float) -> None:  # MLC's is a plain attribute
+        self.placement.pd_balance_factor = value
+
+    @property
+    def cache_aware(self) -> bool:
+        return self.placement.cache_aware
+
     @property
     def server_urls(self) -> list[str]:
         return [e.address for e in self.registry.endpoints]
 
     @property
     def device_id_starts(self) -> list[int]:
-        starts, total = [], 0
-        for endpoint in self.registry.endpoints:
-            starts.append(total)
-            total += endpoint.num_gpus
-        return starts
+        return self.engines.device_id_starts()
 
     @property
     def num_running_requests(self) -> list[int]:
         return [e.num_inflight for e in self.registry.endpoints]
 
     def device_id_start(self, address: str) -> int:
-        urls = self.server_urls
-        return self.device_id_starts[urls.index(address)] if address in urls else 0
+        return self.engines.device_id_start(address)
 
-    # ---- per-request context ----
-    def open_context(self, engine_request_id: str, ctx: RequestContext | None = None) -> RequestContext:
-        ctx = ctx or RequestContext(engine_request_id)
-        self._contexts[engine_request_id] = ctx
-        return ctx
+    # ---- attempts the helpers can find ----
+    def open_attempt(self, attempt: Attempt) -> None:
+        """Lets the MLC-named helpers of a custom translate_request find `attempt`."""
+        self._helper_attempts[attempt.engine_request_id] = attempt
 
-    def close_context(self, ctx: RequestContext) -> None:
-        self._contexts.pop(ctx.engine_request_id, None)
-        for address in ctx.reservations:
-            endpoint = self.registry.get(address)
-            if endpoint is not None:  # else it left the registry meanwhile
-                endpoint.release(STAGE_RESERVED)
-        ctx.reservations.clear()
+    def close_attempt(self, attempt: Attempt) -> None:
+        self._helper_attempts.pop(attempt.engine_request_id, None)
+        attempt.release_reservations()
 
-    def context(self, request_id: str) -> RequestContext:
-        return self._contexts.get(request_id) or RequestContext(request_id)
-
-    async def abort_touched(self, ctx: RequestContext) -> None:
-        """Abort the request on every engine it touched (frees reservations and KV)."""
-        request = engine_pb2.AbortRequest(request_id=ctx.engine_request_id)
-
-        async def abort(address: str) -> None:
-            endpoint = self.registry.get(address)
-            if endpoint is None:
-                return  # it left the registry meanwhile
-            try:
-                await endpoint.stub.Abort(request, timeout=self.settings.abort_timeout_s)
-            except grpc.aio.AioRpcError as exc:
-                logger.info("abort of %s on %s failed: %s", ctx.engine_request_id, address, exc.code())
-
-        await asyncio.gather(*(abort(a) for a in ctx.touched))
-
-    # ---- engine choice ----
-    def select_engine(
-        self, role: int, token_ids: Sequence[int], ctx: RequestContext, avoid: Sequence[str] = ()
-    ) -> Endpoint:
-        """The engine for `role` (NoEngineError when none is healthy)."""
-        chosen = self.try_select_engine(role, token_ids, ctx, avoid)
-        if chosen is None:
-            name = {PREFILL: "prefill", DECODE: "decode"}.get(role, str(role))
-            raise NoEngineError(f"no healthy {name} engine is available")
-        return chosen
-
-    def try_select_engine(
-        self, role: int, token_ids: Sequence[int], ctx: RequestContext, avoid: Sequence[str] = ()
-    ) -> Endpoint | None:
-        """Longest cached prefix when cache-aware, else least loaded; None when none is up."""
-        candidates = self.registry.candidates(role, exclude=ctx.excluded | set(avoid))
-        turn = next(self._turn)
-        if self.is_cache_aware(ctx) and candidates:
-            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids, ctx.cache_salt)
-            chosen = pick_cache_aware(
-                candidates, matched, turn,
-                min_match_tokens=self.settings.cache_min_match_tokens,
-                max_extra_load=self.settings.cache_max_extra_load,
-            )
-        else:
-            chosen = pick_least_loaded(candidates, turn)
-        return chosen if isinstance(chosen, Endpoint) else None
-
-    def is_cache_aware(self, ctx: RequestContext) -> bool:
-        return ctx.hints.cache_aware if ctx.hints.HasField("cache_aware") else self.cache_aware
-
-    def endpoint(self, server_url: str) -> Endpoint:
-        """A registered engine. Nothing else is ever dialled: the router's calls carry the
-        shared token, and an address from a request (MigrateContext.source, a custom
-        router's server_url) must not receive it."""
-        address = _strip_scheme(server_url)
-        endpoint = self.registry.get(address)
-        if endpoint is None:
-            raise InvalidRequestError(f"{address!r} is not an engine registered with this router",
-                                      param="engine")
-        return endpoint
-
-    def engine_stream(self, endpoint: Endpoint) -> EngineStream:
-        """The engine's multiplexed Generate stream (the object lives as long as the router;
-        its call is opened on first use and again after it breaks)."""
-        stream = self._engine_streams.get(endpoint.address)
-        if stream is None or stream.endpoint is not endpoint:
-            stream = self._engine_streams[endpoint.address] = EngineStream(endpoint)
-        return stream
-
-    def call_failed(self, exc: grpc.aio.AioRpcError | TimeoutError, address: str, stage: str) -> EngineCallError:
-        if isinstance(exc, grpc.aio.AioRpcError):
-            return self.call_failed_with(exc.code(), exc.details() or "", address, stage)
-        return self.call_failed_with(grpc.StatusCode.DEADLINE_EXCEEDED, "stage deadline passed", address, stage)
-
-    def call_failed_with(self, code: grpc.StatusCode, detail: str, address: str, stage: str) -> EngineCallError:
-        """An engine call (or one request on an engine stream) failed with `code`: the error
-        the runner handles; an engine at fault leaves rotation."""
-        error = EngineCallError(f"{stage} on {address} failed: {code.name}", code=code, address=address, stage=stage,
-                                detail=detail)
-        self.metrics.engine_call_failures.labels(engine=address, call=stage, code=code.name).inc()
-        if error.is_engine_fault:
-            self.registry.mark_failed(address)
-        logger.info("%s on %s failed: %s %s", stage, address, code.name, detail)
-        return error
+    def _helper_call(self, request: CompletionRequest) -> tuple[EngineJob, Attempt]:
+        """A helper's engine-level job and its attempt, in the request's tenant scope: a custom
+        translate_request that builds its own requests (or drops cache_salt) cannot move a
+        tenant's request into another prefix-cache scope. A helper called outside any
+        attempt gets a throwaway one."""
+        job = _job(request)
+        attempt = self._helper_attempts.get(job.request_id) or Attempt(job.request_id)
+        if attempt.cache_salt:
+            job.sampling.cache_salt = attempt.cache_salt
+        return job, attempt
 
     # ---- the three MicroServing calls (MLC's helpers) ----
     async def send_prepare_receive(
@@ -261,16 +166,17 @@ class Router:
     ) -> tuple[str, int]:
         """prep_recv on the receiver -> (kv_addr_info, prefix_matched_length)."""
         del session  # accepted for MLC's signature; calls use the pooled gRPC channel
-        kv_addr_info, matched = await engine_calls.prep_recv(
-            self, self.endpoint(server_url), self._scoped_job(request), request.end
-        )
+        job, attempt = self._helper_call(request)
+        kv_addr_info, matched = await prep_recv(self.engines, self.engines.endpoint(server_url), job, attempt,
+                                                request.end)
         return base64.b64encode(kv_addr_info).decode("ascii"), matched
 
     async def send_remote_send(self, session: Any, request: RemoteSendRequest, server_url: str) -> None:
         """remote_send on the sender; returns once the KV reached the receiver."""
         del session
-        await engine_calls.remote_send(
-            self, self.endpoint(server_url), self._scoped_job(request), begin=request.begin, end=request.end,
+        job, attempt = self._helper_call(request)
+        await remote_send(
+            self.engines, self.engines.endpoint(server_url), job, attempt, begin=request.begin, end=request.end,
             kv_addr_info=base64.b64decode(request.kv_addr_info), recv_rank=request.recv_rank,
         )
 
@@ -279,21 +185,11 @@ class Router:
     ) -> AsyncIterator[CompletionResponse]:
         """start_generate on the receiver: its stream as CompletionResponse chunks."""
         del session
-        job = self._scoped_job(request)
-        stream = engine_calls.start_generate(self, self.endpoint(server_url), job, request.begin)
+        job, attempt = self._helper_call(request)
+        stream = start_generate(self.engines, self.engines.endpoint(server_url), job, attempt, request.begin)
         async with contextlib.aclosing(stream):
             async for reply in stream:
                 yield engine_to_completion(reply, job.request_id, request.model)
-
-    def _scoped_job(self, request: CompletionRequest) -> EngineJob:
-        """The engine-level job of a helper call, in its request's tenant scope: a custom
-        translate_request that builds its own requests (or drops cache_salt) cannot move a
-        tenant's request into another prefix-cache scope."""
-        job = _job(request)
-        ctx = self._contexts.get(job.request_id)
-        if ctx is not None and ctx.cache_salt:
-            job.sampling.cache_salt = ctx.cache_salt
-        return job
 
     # ---- the extension point ----
     async def translate_request(
@@ -302,7 +198,8 @@ class Router:
         """Run one request; yield its CompletionResponse chunks, or None when preempted."""
         _, token_ids = _id_and_prompt(request)
         job = EngineJob(request_id, token_ids, request_to_sampling(request))
-        stream = await self.generate(job, self.context(request_id))
+        attempt = self._helper_attempts.get(request_id) or Attempt(request_id)
+        stream = await self.generate(job, attempt)
         assert not isinstance(stream, StreamedDecode)  # only the runner's fast path streams
         async with contextlib.aclosing(stream):
             async for message in stream:
@@ -318,12 +215,12 @@ class Router:
         cls = type(self)
         return all(getattr(cls, name) is getattr(Router, name) for name in _PROGRAMMABLE)
 
-    async def generate(self, job: EngineJob, ctx: RequestContext) -> patterns.Decode:
+    async def generate(self, job: EngineJob, attempt: Attempt) -> Decode:
         """Run the built-in pattern's calls before decoding; -> the decode engine's stream."""
-        await kv_room.wait_for_room(
-            lambda: self.registry.candidates(DECODE, exclude=ctx.excluded), len(job.token_ids),
+        await wait_for_room(
+            lambda: self.registry.candidates(DECODE, exclude=attempt.excluded), len(job.token_ids),
             self.settings.kv_full_wait_s, waiting=self.metrics.queued)
-        return await patterns.pattern_for(self, ctx)(self, job, ctx)
+        return await pattern_for(self.placement, attempt)(self.engines, self.placement, job, attempt)
 
     # ---- context migration ----
     async def migrate_context(self, token_ids: Sequence[int], source: str, target: str) -> tuple[int, int, str]:
@@ -331,7 +228,7 @@ class Router:
         (prefix_matched_length, num_tokens_moved, source)."""
         if len(token_ids) < 2:
             raise InvalidRequestError("a context needs at least 2 tokens", param="token_ids")
-        return await patterns.migrate(self, list(token_ids), source, target)
+        return await migrate(self.engines, self.placement, list(token_ids), source, target)
 
 
 def _job(request: CompletionRequest) -> EngineJob:

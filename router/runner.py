@@ -29,22 +29,22 @@ import grpc
 
 from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2, router_pb2
-from router import patterns
-from router.context import RequestContext
+from router.attempt import Attempt, EngineJob
 from router.conversions import (
     TEXT_TO_FINISH,
     engine_sampling,
     logprobs_to_proto,
     sampling_to_request_fields,
 )
-from router.engine_calls import EngineJob
-from router.engine_stream import StreamedDecode
+from router.engine_calls import Messages
 from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
 from router.inputs import PreparedRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
+from router.placement import pattern_name
 from router.resumed_text import ResumedText
 from router.router import Router
+from router.streamed_decode import StreamedDecode
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class RequestRunner:
         """The request's metrics, once at its end: outcome, latency, TTFT and mean ITL."""
         metrics = self._router.metrics
         now_s = time.perf_counter()
-        pattern = (patterns.pattern_name(self._router, self._prepared.hints)
+        pattern = (pattern_name(self._router.router_mode, self._prepared.hints)
                    if self._router.uses_builtin_patterns else "custom")
         metrics.requests.labels(pattern, outcome).inc()
         metrics.e2e_latency_s.labels(pattern).observe(now_s - self._arrived_s)
@@ -133,15 +133,15 @@ class RequestRunner:
         num_failures = num_preempts = 0
         has_fallen_back = False
         while True:
-            ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
-                                 hints=self._prepared.hints, excluded=set(excluded),
-                                 cache_salt=self._prepared.sampling.cache_salt,
-                                 traceparent=self._traceparent)
+            attempt = Attempt(f"{self._id_base}-{num_failures + num_preempts}",
+                              hints=self._prepared.hints, excluded=set(excluded),
+                              cache_salt=self._prepared.sampling.cache_salt,
+                              traceparent=self._traceparent)
             try:
-                outcome = await self._attempt(ctx)
+                outcome = await self._attempt(attempt)
             except EngineCallError as exc:
-                await _abort(self._router, ctx, faulty=exc.address if exc.is_engine_fault else None)
-                if exc.code == grpc.StatusCode.UNIMPLEMENTED and ctx.use_engine_stream and not has_fallen_back:
+                await _abort(self._router, attempt, faulty=exc.address if exc.is_engine_fault else None)
+                if exc.code == grpc.StatusCode.UNIMPLEMENTED and attempt.use_engine_stream and not has_fallen_back:
                     # An engine without Engine.Generate (nothing was streamed): run the attempt
                     # again; the engine's stream is marked unsupported, so it uses StartGenerate.
                     has_fallen_back = True
@@ -160,14 +160,14 @@ class RequestRunner:
                             self._prepared.request_id, exc.message)
                 continue
             except BaseException:
-                await _abort(self._router, ctx)
+                await _abort(self._router, attempt)
                 raise
             finally:
-                self._router.close_context(ctx)
+                self._router.close_attempt(attempt)
             if outcome is _Outcome.DONE:
-                self._engines = ctx.used
+                self._engines = attempt.used
                 return
-            await _abort(self._router, ctx)
+            await _abort(self._router, attempt)
             num_preempts += 1
             self._router.metrics.preemptions.inc()
             if num_preempts > settings.max_preempt_retries:
@@ -212,23 +212,24 @@ class RequestRunner:
         sampling = engine_sampling(self._sampling, None if max_tokens is None else max_tokens - len(streamed))
         return EngineJob(engine_request_id, [*self._prepared.token_ids, *streamed], sampling)
 
-    async def _attempt(self, ctx: RequestContext) -> _Outcome:
-        self._router.open_context(ctx.engine_request_id, ctx)
+    async def _attempt(self, attempt: Attempt) -> _Outcome:
         self._completion_before_attempt = self.num_streamed
         resumed = None
         if self.num_streamed:  # a resume: the router decodes the text (see resumed_text.py)
             sent = "".join(self._sent_text[0])
             resumed = ResumedText(self._router.tokenizer, sent, self._prepared.sampling.stop)
         if self._router.uses_builtin_patterns:
-            ctx.use_engine_stream = self._router.settings.engine_stream
-            decode = await self._router.generate(self._job(ctx.engine_request_id), ctx)
+            attempt.use_engine_stream = self._router.settings.engine_stream
+            decode = await self._router.generate(self._job(attempt.engine_request_id), attempt)
             if isinstance(decode, StreamedDecode):
                 return await self._relay_streamed(decode, resumed)
             return await self._relay_messages(decode, resumed)
-        request = self._request(ctx.engine_request_id)
-        return await self._relay_completions(self._router.translate_request(request, ctx.engine_request_id), resumed)
+        self._router.open_attempt(attempt)  # translate_request gets only the request id
+        request = self._request(attempt.engine_request_id)
+        return await self._relay_completions(self._router.translate_request(request, attempt.engine_request_id),
+                                             resumed)
 
-    async def _relay_messages(self, messages: patterns.Messages, resumed: ResumedText | None) -> _Outcome:
+    async def _relay_messages(self, messages: Messages, resumed: ResumedText | None) -> _Outcome:
         """The built-in patterns' StartGenerate messages (engine_stream off)."""
         async with contextlib.aclosing(messages):
             async for message in messages:
@@ -340,17 +341,16 @@ class RequestRunner:
 _detached_aborts: set[asyncio.Task[None]] = set()
 
 
-async def _abort(router: Router, ctx: RequestContext, faulty: str | None = None) -> None:
+async def _abort(router: Router, attempt: Attempt, faulty: str | None = None) -> None:
     """Abort on every touched engine; shielded so a second cancel cannot skip the cleanup.
 
     The Abort to a `faulty` engine (dead or stalled) runs detached: a stalled engine would
     hold the retry for the whole Abort deadline, and it is out of rotation anyway."""
-    if faulty is not None and faulty in ctx.touched:
-        alone = RequestContext(ctx.engine_request_id, touched={faulty: None})
-        task = asyncio.get_running_loop().create_task(router.abort_touched(alone))
+    engines, request_id = router.engines, attempt.engine_request_id
+    rest = [a for a in attempt.touched if a != faulty]
+    if faulty is not None and faulty in attempt.touched:
+        task = asyncio.get_running_loop().create_task(engines.abort(request_id, [faulty]))
         _detached_aborts.add(task)
         task.add_done_callback(_detached_aborts.discard)
-        rest = {a: None for a in ctx.touched if a != faulty}
-        ctx = RequestContext(ctx.engine_request_id, touched=rest)
-    if ctx.touched:
-        await asyncio.shield(router.abort_touched(ctx))
+    if rest:
+        await asyncio.shield(engines.abort(request_id, rest))

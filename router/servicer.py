@@ -18,6 +18,7 @@ import grpc
 from grpc import aio
 
 from microserving import tracing
+from microserving.pattern_names import PATTERN_BY_NAME
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.errors import InvalidRequestError, OverloadedError, RouterError
 from router.inputs import prepare_off_loop
@@ -27,11 +28,6 @@ from router.runner import RequestRunner
 
 logger = logging.getLogger(__name__)
 
-_PATTERNS = {
-    "round-robin": router_pb2.PATTERN_ROUND_ROBIN,
-    "disagg": router_pb2.PATTERN_DISAGG,
-    "adaptive-disagg": router_pb2.PATTERN_ADAPTIVE_DISAGG,
-}
 Reply = TypeVar("Reply")
 # A client message of Generate or GenerateBatched (the same actions).
 ClientMessage = router_pb2.GenerateRequest | router_pb2.GenerateBatchedRequest
@@ -178,7 +174,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
     ) -> router_pb2.RouterGetStatusResponse:
         router = self._router
         return router_pb2.RouterGetStatusResponse(
-            pattern=_PATTERNS[router.router_mode],  # type: ignore[arg-type]
+            pattern=PATTERN_BY_NAME[router.router_mode],
             pd_balance_factor=router.pd_balance_factor,
             cache_aware=router.cache_aware,
             engines=[e.to_info() for e in router.registry.endpoints],

@@ -37,7 +37,7 @@ async def test_an_engine_without_the_stream_is_served_through_start_generate() -
                                               sampling=greedy(8))
                         for i, ids in enumerate(([1, 40, 41, 42, 43], [1, 50, 51, 52]))]
             results = [(await generate(stub, request))[request.request_id] for request in requests]
-            assert not router.engine_stream(router.registry.endpoints[0]).is_supported
+            assert not router.engines.stream(router.registry.endpoints[0]).is_supported
         for request, result in zip(requests, results, strict=True):
             assert result.error is None, result.error
             want = await engine_alone(shim.address, list(request.token_ids.ids), greedy(8), f"ref-{request.request_id}")

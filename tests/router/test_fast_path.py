@@ -17,7 +17,7 @@ from router_stack import greedy, router_settings, running_router
 from microserving.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router import Router
 from router.conversions import engine_sampling, request_to_sampling, sampling_to_request_fields
-from router.engine_calls import ReadWatchdog
+from router.deadlines import StageDeadline
 from router.microserving_protocol import StartGenerateRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
@@ -200,14 +200,14 @@ class _Call:
         return True
 
 
-async def test_read_watchdog_cancels_a_stalled_read_but_not_a_busy_consumer() -> None:
+async def test_stage_deadline_cancels_a_stalled_read_but_not_a_busy_consumer() -> None:
     call = _Call()
-    watchdog = ReadWatchdog(call, 0.05)  # type: ignore[arg-type]
-    watchdog.reading()
-    watchdog.idle(0.05)  # a message came; the consumer now takes its time
+    watchdog = StageDeadline(0.05, 0.05, call.cancel)
+    watchdog.waiting()
+    watchdog.arrived()  # a message came; the consumer now takes its time
     await asyncio.sleep(0.2)
     assert not call.is_cancelled and not watchdog.has_expired
-    watchdog.reading()
+    watchdog.waiting()
     for _ in range(100):
         if call.is_cancelled:
             break

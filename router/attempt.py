@@ -1,0 +1,58 @@
+"""One attempt of a request inside the router, passed explicitly to every engine call it makes:
+the engine-level job (id, prompt, sampling), the pattern hints, engines to avoid, the engines it
+touched (for the Abort fan-out) and the KV reservations it holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from microserving.v1 import common_pb2, router_pb2
+from router.endpoint import STAGE_RESERVED, Endpoint
+
+
+@dataclass(frozen=True)
+class EngineJob:
+    """One attempt of a request as the engines see it: the id every call carries, the prompt
+    as token ids (a resume appends the tokens already streamed) and the sampling values."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: common_pb2.SamplingParams
+
+
+@dataclass
+class Attempt:
+    engine_request_id: str
+    hints: router_pb2.PatternHints = field(default_factory=router_pb2.PatternHints)
+    excluded: set[str] = field(default_factory=set)
+    touched: dict[str, None] = field(default_factory=dict)  # ordered set of addresses
+    reservations: dict[str, Endpoint] = field(default_factory=dict)  # engines holding our PrepRecv
+    used: list[str] = field(default_factory=list)  # engines in the order the pattern used them
+    # Decode on the engine's multiplexed Generate stream (the runner's fast path) instead of
+    # a StartGenerate call.
+    use_engine_stream: bool = False
+    cache_salt: str = ""  # the request's prefix-cache scope (SamplingParams.cache_salt)
+    traceparent: str = ""  # W3C trace context the attempt's engine calls carry
+
+    def touch(self, address: str) -> None:
+        self.touched[address] = None
+        if address not in self.used:
+            self.used.append(address)
+
+    def reserve(self, endpoint: Endpoint) -> None:
+        """A PrepRecv on `endpoint` succeeded: counted there until claimed or released."""
+        if endpoint.address not in self.reservations:
+            self.reservations[endpoint.address] = endpoint
+            endpoint.acquire(STAGE_RESERVED)
+
+    def claim(self, endpoint: Endpoint) -> None:
+        """The decode start on `endpoint` takes over its reservation (if any)."""
+        if self.reservations.pop(endpoint.address, None) is not None:
+            endpoint.release(STAGE_RESERVED)
+
+    def release_reservations(self) -> None:
+        """The attempt is over: what it still reserves is no longer pending (an engine that
+        left the registry meanwhile has its counter released harmlessly)."""
+        for endpoint in self.reservations.values():
+            endpoint.release(STAGE_RESERVED)
+        self.reservations.clear()
