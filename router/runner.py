@@ -80,8 +80,11 @@ class RequestRunner:
         self._traceparent = span.traceparent if span is not None else ""
         if span is not None:
             span.set_attribute("microserving.engine_request_id_base", self._id_base)
-        # The id mapping, once per request: client's id -> the engines' ids (one per attempt).
-        logger.debug("request %s: engine request ids %s-<attempt>", prepared.request_id, self._id_base)
+        # The id mapping, once per request and with the trace id, so an operator can follow one
+        # request: the gateway's id (its response id + prompt index) -> the engines' ids.
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("request %s (trace %s): engine request ids %s-<attempt number from 0>",
+                         prepared.request_id, tracing.trace_id_of(self._traceparent), self._id_base)
         self._engines: list[str] = []
 
     @property
