@@ -241,10 +241,6 @@ class RouterClient:
         return await self._first_answer(lambda replica: replica.router.ListModels(
             router_pb2.ListModelsRequest(), timeout=timeout_s))
 
-    async def get_status(self, timeout_s: float = 5.0) -> router_pb2.RouterGetStatusResponse:
-        return await self._first_answer(lambda replica: replica.router.GetStatus(
-            router_pb2.RouterGetStatusRequest(), timeout=timeout_s))
-
     async def is_serving(self, timeout_s: float) -> bool:
         """The routers' grpc.health.v1 status: SERVING (any replica) means requests can run."""
         checks = [self._replica_serving(replica, timeout_s) for replica in self._replicas]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
 from typing import Any
 
 from pydantic import BaseModel
@@ -30,13 +29,6 @@ def encode_event(payload: BaseModel | dict[str, Any]) -> bytes:
     else:
         text = json.dumps(payload, separators=(",", ":"))
     return b"data: " + _escape_line_separators(text).encode() + b"\n\n"
-
-
-async def frame(events: AsyncIterator[BaseModel | dict[str, Any]]) -> AsyncIterator[bytes]:
-    """Frames every payload as an event and closes the stream with [DONE]."""
-    async for payload in events:
-        yield encode_event(payload)
-    yield DONE_EVENT
 
 
 def parse_events(body: bytes) -> list[Any]:

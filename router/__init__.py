@@ -2,7 +2,7 @@
 MLC-LLM's router API; `router.openai_protocol` and `router.microserving_protocol` hold its
 request/response models."""
 
+from router.mlc_launcher import serve
 from router.router import Router
-from router.serve import serve
 
 __all__ = ["Router", "serve"]

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field
 
-logger = logging.getLogger(__name__)
+from microserving.lenient_model import LenientModel
 
 
-class _LenientModel(BaseModel):
-    """Accepts unknown fields (clients send OpenAI fields MLC lacks) and logs which."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="after")
-    def _log_unknown_fields(self) -> _LenientModel:
-        if self.model_extra:
-            logger.debug("%s ignores fields %s", type(self).__name__, sorted(self.model_extra))
-        return self
+class _LenientModel(LenientModel):
+    # DEBUG: the router's models are built per request on a custom router's path.
+    ignored_fields_log_level: ClassVar[int] = logging.DEBUG
 
 
 class StreamOptions(_LenientModel):

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 
 import router.engine_calls as calls
+from microserving.pattern_names import PatternName
 from microserving.v1 import common_pb2
 from router.attempt import Attempt, EngineJob
 from router.endpoint import DECODE, PREFILL, Endpoint
@@ -86,7 +87,7 @@ async def adaptive_disagg(engines: Engines, placement: Placement, job: EngineJob
     return await _disagg_with_factor(engines, placement, job, attempt, factor, decode, prefill)
 
 
-PATTERNS: dict[str, Pattern] = {"round-robin": round_robin, "disagg": disagg, "adaptive-disagg": adaptive_disagg}
+PATTERNS: dict[PatternName, Pattern] = {"round-robin": round_robin, "disagg": disagg, "adaptive-disagg": adaptive_disagg}
 
 
 def pattern_for(placement: Placement, attempt: Attempt) -> Pattern:

@@ -22,7 +22,6 @@ from microserving.pattern_names import PatternName
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2
 from router.attempt import Attempt, EngineJob
-from router.conversions import engine_to_completion, request_to_sampling
 from router.discovery import DnsWatcher
 from router.endpoint import DECODE
 from router.engine_calls import Decode, prep_recv, remote_send, start_generate
@@ -31,6 +30,7 @@ from router.errors import InvalidRequestError
 from router.kv_room import wait_for_room
 from router.metrics import RouterMetrics
 from router.microserving_protocol import PrepRecvRequest, RemoteSendRequest, StartGenerateRequest
+from router.openai_proto import engine_to_completion, request_to_sampling
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.patterns import migrate, pattern_for
 from router.placement import Placement

@@ -21,10 +21,10 @@ from microserving import tracing
 from microserving.pattern_names import PATTERN_BY_NAME
 from microserving.v1 import router_pb2, router_pb2_grpc
 from router.errors import InvalidRequestError, OverloadedError, RouterError
-from router.inputs import prepare_off_loop
 from router.outbox import Outbox, StreamError
+from router.prepared_request import prepare_off_loop
+from router.request_runner import RequestRunner
 from router.router import Router
-from router.runner import RequestRunner
 
 logger = logging.getLogger(__name__)
 

@@ -18,9 +18,8 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from microserving.pattern_names import PatternName
 from microserving.transport import TransportSettings
-
-PatternName = Literal["round-robin", "disagg", "adaptive-disagg"]
 
 
 class RouterSettings(BaseSettings):

@@ -6,15 +6,13 @@ ignored, so a silently dropped option is at least visible in the gateway's log.
 
 from __future__ import annotations
 
-import logging
 import struct
 from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 
+from microserving.lenient_model import LenientModel
 from microserving.pattern_names import PatternName
-
-logger = logging.getLogger(__name__)
 
 # The wire (proto) types behind the numbers: larger values must be a 400, not an overflow.
 INT32_MAX = 2**31 - 1
@@ -47,10 +45,9 @@ def _first_invalid_string(value: Any) -> str | None:
     return None
 
 
-class OpenAIBaseModel(BaseModel):
-    """Accepts unknown fields and logs their names once per request."""
-
-    model_config = ConfigDict(extra="allow")
+class OpenAIBaseModel(LenientModel):
+    """Accepts unknown fields and logs their names once per request; refuses strings that are
+    not valid Unicode."""
 
     @model_validator(mode="before")
     @classmethod
@@ -58,17 +55,6 @@ class OpenAIBaseModel(BaseModel):
         if _first_invalid_string(data) is not None:
             raise ValueError("strings must be valid Unicode (no lone surrogate escapes)")
         return data
-
-    @model_validator(mode="after")
-    def _log_ignored_fields(self) -> OpenAIBaseModel:
-        extra = sorted((self.model_extra or {}).keys())
-        if extra:
-            logger.info("ignored unknown fields of %s: %s", type(self).__name__, ", ".join(extra))
-        return self
-
-    @property
-    def ignored_fields(self) -> list[str]:
-        return sorted((self.model_extra or {}).keys())
 
 
 class StrictModel(BaseModel):

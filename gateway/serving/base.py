@@ -9,7 +9,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from fastapi import Request, Response
 from fastapi.responses import JSONResponse
@@ -175,7 +175,3 @@ class GenerationServing(ABC, Generic[RequestT]):
             self.context.on_error(mapped)
             yield encode_event(mapped.body())
         yield DONE_EVENT
-
-
-def chunk_base(response_id: str, created: int, model: str) -> dict[str, Any]:
-    return {"id": response_id, "created": created, "model": model}

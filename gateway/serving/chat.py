@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator, Sequence
 
-from gateway.conversion import chat_request
 from gateway.protocol.chat import (
     ChatChoice,
     ChatChunkChoice,
@@ -18,6 +17,7 @@ from gateway.protocol.chat import (
     ChatTokenLogprob,
     ChatTopLogprob,
 )
+from gateway.router_requests import chat_request
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, UsageTotals
 from gateway.sse import ChunkTemplate, encode_event

@@ -6,13 +6,13 @@ import time
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.conversion import completion_requests
 from gateway.protocol.completion import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
+from gateway.router_requests import completion_requests
 from gateway.serving.base import GenerationServing, RouterEvents, usage_model
 from gateway.serving.events import DeltaEvent, PromptEvent, UsageTotals
 from gateway.sse import ChunkTemplate, encode_event

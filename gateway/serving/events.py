@@ -17,10 +17,10 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from gateway.conversion import finish_reason_text
 from gateway.errors import from_code_number
 from gateway.metrics import GatewayMetrics
 from gateway.router_client import GenerateStream
+from gateway.router_requests import finish_reason_text
 from microserving.v1 import common_pb2, router_pb2
 
 logger = logging.getLogger(__name__)

@@ -9,10 +9,10 @@ from pydantic import ValidationError
 
 from gateway.admission import AdmissionLimit
 from gateway.auth import ApiKeyChecker
-from gateway.conversion import chat_request, completion_requests, finish_reason_text
 from gateway.errors import GatewayError, client_param, from_code_number, from_grpc
 from gateway.protocol.chat import ChatCompletionRequest
 from gateway.protocol.completion import CompletionRequest
+from gateway.router_requests import chat_request, completion_requests, finish_reason_text
 from gateway.settings import GatewaySettings, reject_unknown_env
 from gateway.sse import DONE_EVENT, encode_event, parse_events
 from microserving.v1 import common_pb2, router_pb2

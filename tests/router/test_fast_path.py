@@ -16,9 +16,9 @@ from router_stack import greedy, router_settings, running_router
 
 from microserving.v1 import common_pb2, router_pb2, router_pb2_grpc
 from router import Router
-from router.conversions import engine_sampling, request_to_sampling, sampling_to_request_fields
 from router.deadlines import StageDeadline
 from router.microserving_protocol import StartGenerateRequest
+from router.openai_proto import engine_sampling, request_to_sampling, sampling_to_request_fields
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
 

@@ -9,7 +9,7 @@ import pytest
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, router_pb2
 from router.errors import RouterError
-from router.inputs import prepare
+from router.prepared_request import prepare
 
 TOKENIZER = Tokenizer.from_model("tiny")
 

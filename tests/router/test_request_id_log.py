@@ -35,7 +35,7 @@ async def test_the_router_logs_the_request_id_mapping_once_with_the_trace_id(cap
     await shim.start()
     try:
         router = Router(settings=router_settings([f"{shim.address}=both"], engine_stream=False))
-        caplog.set_level(logging.DEBUG, logger="router.runner")
+        caplog.set_level(logging.DEBUG, logger="router.request_runner")
         async with running_router(router) as (_, stub):
             request = router_pb2.NewRequest(request_id="cmpl-abc-0", text="follow me", sampling=greedy(4),
                                             traceparent=TRACEPARENT)

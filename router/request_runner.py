@@ -30,18 +30,18 @@ import grpc
 from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2, router_pb2
 from router.attempt import Attempt, EngineJob
-from router.conversions import (
+from router.engine_calls import Messages
+from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
+from router.openai_proto import (
     TEXT_TO_FINISH,
     engine_sampling,
     logprobs_to_proto,
     sampling_to_request_fields,
 )
-from router.engine_calls import Messages
-from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
-from router.inputs import PreparedRequest
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
 from router.placement import pattern_name
+from router.prepared_request import PreparedRequest
 from router.resumed_text import ResumedText
 from router.router import Router
 from router.streamed_decode import StreamedDecode
