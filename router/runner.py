@@ -39,8 +39,9 @@ from router.conversions import (
 )
 from router.engine_calls import EngineJob
 from router.engine_stream import StreamedDecode
-from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
+from router.errors import EngineCallError, OverloadedError, PreemptedTooOftenError, RouterError
 from router.inputs import PreparedRequest
+from router.kv_room import RoomBackoff
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
 from router.resumed_text import ResumedText
@@ -83,6 +84,7 @@ class RequestRunner:
         # The id mapping, once per request: client's id -> the engines' ids (one per attempt).
         logger.debug("request %s: engine request ids %s-<attempt>", prepared.request_id, self._id_base)
         self._engines: list[str] = []
+        self._room = RoomBackoff()  # pauses while no engine has room for the request's KV
 
     @property
     def num_streamed(self) -> int:
@@ -130,17 +132,23 @@ class RequestRunner:
     async def _run_attempts(self) -> None:
         settings = self._router.settings
         excluded: set[str] = set()
-        num_failures = num_preempts = 0
+        num_failures = num_preempts = num_attempts = 0
+        streamed_at_preempt = -1  # num_streamed at the last preempt
         has_fallen_back = False
         while True:
-            ctx = RequestContext(f"{self._id_base}-{num_failures + num_preempts}",
+            # Every attempt its own engine request id: one that ends is aborted on its engines,
+            # and an id used again could meet that Abort or the old attempt's remains there.
+            ctx = RequestContext(f"{self._id_base}-{num_attempts}",
                                  hints=self._prepared.hints, excluded=set(excluded),
                                  cache_salt=self._prepared.sampling.cache_salt,
                                  traceparent=self._traceparent)
+            num_attempts += 1
             try:
                 outcome = await self._attempt(ctx)
             except EngineCallError as exc:
                 await _abort(self._router, ctx, faulty=exc.address if exc.is_engine_fault else None)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and await self._wait_for_room():
+                    continue  # a full pool is no fault: the same engines again, after a pause
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED and ctx.use_engine_stream and not has_fallen_back:
                     # An engine without Engine.Generate (nothing was streamed): run the attempt
                     # again; the engine's stream is marked unsupported, so it uses StartGenerate.
@@ -159,6 +167,11 @@ class RequestRunner:
                 logger.info("%s %s elsewhere after %s", "resuming" if self.num_streamed else "retrying",
                             self._prepared.request_id, exc.message)
                 continue
+            except OverloadedError:
+                await _abort(self._router, ctx)
+                if self.num_streamed and await self._wait_for_room():
+                    continue  # a resume waits for room as long as for its next token
+                raise
             except BaseException:
                 await _abort(self._router, ctx)
                 raise
@@ -168,7 +181,10 @@ class RequestRunner:
                 self._engines = ctx.used
                 return
             await _abort(self._router, ctx)
-            num_preempts += 1
+            # The bound counts preempts in a row without a new token: one after progress is no
+            # loop (a tight pool may preempt a long request several times on its way).
+            num_preempts = num_preempts + 1 if self.num_streamed == streamed_at_preempt else 1
+            streamed_at_preempt = self.num_streamed
             self._router.metrics.preemptions.inc()
             if num_preempts > settings.max_preempt_retries:
                 raise PreemptedTooOftenError("the request was preempted too often; try again later")
@@ -176,6 +192,16 @@ class RequestRunner:
                 raise PreemptedTooOftenError("preempted after streaming; n > 1 cannot be resumed")
             if self._is_complete():
                 return
+
+    async def _wait_for_room(self) -> bool:
+        """Pause before trying the engines again for room for this request's KV -> False
+        once the bound has passed: the KV-full wait for a request that has streamed nothing
+        (then the client gets RESOURCE_EXHAUSTED / 429), the inter-token deadline for a
+        resume (its client waits for the next token; a preempted request that has streamed
+        is finished rather than refused when the pool frees up)."""
+        settings = self._router.settings
+        max_wait_s = settings.inter_token_timeout_s if self.num_streamed else settings.kv_full_wait_s
+        return await self._room.pause(self.num_streamed, max_wait_s)
 
     def _can_resume(self) -> bool:
         """Nothing streamed yet, or one choice whose tokens a resume can continue from."""
