@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 import grpc
@@ -43,6 +44,11 @@ from router.settings import RouterSettings
 logger = logging.getLogger(__name__)
 
 # What a custom router may override; overriding any of them turns the fast path off.
+# The tenant scope (cache salt) of the request whose translate_request runs in this task (set
+# by the runner for each attempt): the helpers apply it to engine calls under ids of the custom
+# code's own making too, and tasks it starts inherit it.
+ATTEMPT_CACHE_SALT: ContextVar[str] = ContextVar("attempt_cache_salt", default="")
+
 _PROGRAMMABLE = ("translate_request", "send_prepare_receive", "send_remote_send", "send_start_generate")
 
 
@@ -291,8 +297,9 @@ class Router:
         tenant's request into another prefix-cache scope."""
         job = _job(request)
         ctx = self._contexts.get(job.request_id)
-        if ctx is not None and ctx.cache_salt:
-            job.sampling.cache_salt = ctx.cache_salt
+        salt = ctx.cache_salt if ctx is not None else ATTEMPT_CACHE_SALT.get()
+        if salt:
+            job.sampling.cache_salt = salt
         return job
 
     # ---- the extension point ----

@@ -45,7 +45,7 @@ from router.kv_room import RoomBackoff
 from router.openai_protocol import CompletionRequest, CompletionResponse
 from router.outbox import Outbox
 from router.resumed_text import ResumedText
-from router.router import Router
+from router.router import ATTEMPT_CACHE_SALT, Router
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,12 @@ class RequestRunner:
                 return await self._relay_streamed(decode, resumed)
             return await self._relay_messages(decode, resumed)
         request = self._request(ctx.engine_request_id)
-        return await self._relay_completions(self._router.translate_request(request, ctx.engine_request_id), resumed)
+        scope = ATTEMPT_CACHE_SALT.set(ctx.cache_salt)  # for engine calls under ids of its own
+        try:
+            return await self._relay_completions(self._router.translate_request(request, ctx.engine_request_id),
+                                                 resumed)
+        finally:
+            ATTEMPT_CACHE_SALT.reset(scope)
 
     async def _relay_messages(self, messages: patterns.Messages, resumed: ResumedText | None) -> _Outcome:
         """The built-in patterns' StartGenerate messages (engine_stream off)."""
