@@ -134,6 +134,7 @@ class RequestRunner:
         excluded: set[str] = set()
         num_failures = num_preempts = num_attempts = 0
         streamed_at_preempt = -1  # num_streamed at the last preempt
+        stalled_since_s = 0.0  # the first of the preempts in a row without a new token
         has_fallen_back = False
         while True:
             # Every attempt its own engine request id: one that ends is aborted on its engines,
@@ -181,12 +182,17 @@ class RequestRunner:
                 self._engines = ctx.used
                 return
             await _abort(self._router, ctx)
-            # The bound counts preempts in a row without a new token: one after progress is no
-            # loop (a tight pool may preempt a long request several times on its way).
+            # The bound is on preempts in a row without a new token (one after progress is no
+            # loop): more than max_preempt_retries and for longer than the inter-token deadline.
+            # A resume is the newest request on its engine, the first one preempted again, so
+            # on a tight pool it may lose several times until the others finish.
             num_preempts = num_preempts + 1 if self.num_streamed == streamed_at_preempt else 1
+            if num_preempts == 1:
+                stalled_since_s = time.monotonic()
             streamed_at_preempt = self.num_streamed
             self._router.metrics.preemptions.inc()
-            if num_preempts > settings.max_preempt_retries:
+            is_stalled = time.monotonic() - stalled_since_s > settings.inter_token_timeout_s
+            if num_preempts > settings.max_preempt_retries and is_stalled:
                 raise PreemptedTooOftenError("the request was preempted too often; try again later")
             if self.num_streamed and self._num_choices > 1:
                 raise PreemptedTooOftenError("preempted after streaming; n > 1 cannot be resumed")
