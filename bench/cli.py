@@ -4,7 +4,7 @@
         --input-len 3000 --output-len 100 --ignore-eos --out runs/rate2
     microserving bench compare runs/rate1 runs/rate2 --out runs/compare
 
-Also dispatches `microserving bench burst ...`, `microserving bench capacity ...`, `microserving bench control-plane ...`,
+Also dispatches `microserving bench burst ...`, `microserving bench dos ...`, `microserving bench capacity ...`, `microserving bench control-plane ...`,
 `microserving bench mlc-relay ...` and `microserving bench patterns ...`.
 """
 
@@ -29,6 +29,7 @@ SUBCOMMANDS = {
     "capacity": "bench.capacity.cli",
     "compare": "bench.cli:compare_main",
     "control-plane": "bench.control_plane",
+    "dos": "bench.dos_probe",
     "mlc-relay": "bench.mlc_relay",
     "patterns": "bench.patterns",
 }
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="microserving bench",
         description="Streaming load generator for OpenAI-compatible servers "
-        "(subcommands: burst, capacity, compare, control-plane, mlc-relay, patterns).",
+        "(subcommands: burst, capacity, compare, control-plane, dos, mlc-relay, patterns).",
         allow_abbrev=False,
     )
     p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:8000/v1")

@@ -25,12 +25,14 @@ def start_service(
     pattern: re.Pattern[str] = LISTENING,
     timeout_s: float = 300.0,
     module: str = "microserving.cli",
+    env: dict[str, str] | None = None,
 ) -> ServiceProcess:
-    """`python -m MODULE ARGS` in its own process group; waits until it prints its address."""
+    """`python -m MODULE ARGS` in its own process group (environment: ours, or `env`); waits
+    until it prints its address."""
     log_dir.mkdir(parents=True, exist_ok=True)
     service = ServiceProcess(
         name, [sys.executable, "-m", module, *args], log_path=log_dir / f"{name}.log",
-        pattern=pattern, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        pattern=pattern, env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
     )
     service.wait_listening(timeout_s)
     return service

@@ -63,3 +63,33 @@ async def wait_for_room(candidates: Callable[[], Sequence[Endpoint]], num_tokens
 
 def _has_room(engines: Sequence[Endpoint], num_tokens: int) -> bool:
     return not engines or not all(is_full(e, num_tokens) for e in engines)
+
+
+# RoomBackoff's pauses: short at first (a finishing request frees pages at once), then growing.
+_FIRST_PAUSE_S = 0.05
+_MAX_PAUSE_S = 1.0
+
+
+class RoomBackoff:
+    """The pauses of one request between attempts that found no room for its KV (an engine
+    answered RESOURCE_EXHAUSTED, e.g. the PrepRecv of a resume after a preempt, made while the
+    requests that preempted it still hold the pool). The full engine is not at fault, so it is
+    tried again after a growing pause instead of being left out, up to a bound that starts
+    again whenever the request has streamed more tokens."""
+
+    def __init__(self) -> None:
+        self._num_streamed = -1
+        self._deadline_s = 0.0
+        self._pause_s = _FIRST_PAUSE_S
+
+    async def pause(self, num_streamed: int, max_wait_s: float) -> bool:
+        """Sleep before the next attempt -> False, without sleeping, once `max_wait_s` has
+        passed since the first pause at this `num_streamed`."""
+        now_s = time.monotonic()
+        if num_streamed != self._num_streamed:
+            self._num_streamed, self._deadline_s, self._pause_s = num_streamed, now_s + max_wait_s, _FIRST_PAUSE_S
+        if now_s >= self._deadline_s:
+            return False
+        await asyncio.sleep(min(self._pause_s, self._deadline_s - now_s))
+        self._pause_s = min(2 * self._pause_s, _MAX_PAUSE_S)
+        return True

@@ -31,7 +31,8 @@ from microserving import tracing
 from microserving.v1 import common_pb2, engine_pb2, router_pb2
 from router.attempt import Attempt, EngineJob
 from router.engine_calls import Messages
-from router.errors import EngineCallError, PreemptedTooOftenError, RouterError
+from router.errors import EngineCallError, OverloadedError, PreemptedTooOftenError, RouterError
+from router.kv_room import RoomBackoff
 from router.openai_proto import (
     TEXT_TO_FINISH,
     engine_sampling,
@@ -43,7 +44,7 @@ from router.outbox import Outbox
 from router.placement import pattern_name
 from router.prepared_request import PreparedRequest
 from router.resumed_text import ResumedText
-from router.router import Router
+from router.router import ATTEMPT_CACHE_SALT, Router
 from router.streamed_decode import StreamedDecode
 
 logger = logging.getLogger(__name__)
@@ -86,6 +87,7 @@ class RequestRunner:
             logger.debug("request %s (trace %s): engine request ids %s-<attempt number from 0>",
                          prepared.request_id, tracing.trace_id_of(self._traceparent), self._id_base)
         self._engines: list[str] = []
+        self._room = RoomBackoff()  # pauses while no engine has room for the request's KV
 
     @property
     def num_streamed(self) -> int:
@@ -133,17 +135,24 @@ class RequestRunner:
     async def _run_attempts(self) -> None:
         settings = self._router.settings
         excluded: set[str] = set()
-        num_failures = num_preempts = 0
+        num_failures = num_preempts = num_attempts = 0
+        streamed_at_preempt = -1  # num_streamed at the last preempt
+        stalled_since_s = 0.0  # the first of the preempts in a row without a new token
         has_fallen_back = False
         while True:
-            attempt = Attempt(f"{self._id_base}-{num_failures + num_preempts}",
+            # Every attempt its own engine request id: one that ends is aborted on its engines,
+            # and an id used again could meet that Abort or the old attempt's remains there.
+            attempt = Attempt(f"{self._id_base}-{num_attempts}",
                               hints=self._prepared.hints, excluded=set(excluded),
                               cache_salt=self._prepared.sampling.cache_salt,
                               traceparent=self._traceparent)
+            num_attempts += 1
             try:
                 outcome = await self._attempt(attempt)
             except EngineCallError as exc:
                 await _abort(self._router, attempt, faulty=exc.address if exc.is_engine_fault else None)
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED and await self._wait_for_room():
+                    continue  # a full pool is no fault: the same engines again, after a pause
                 if exc.code == grpc.StatusCode.UNIMPLEMENTED and attempt.use_engine_stream and not has_fallen_back:
                     # An engine without Engine.Generate (nothing was streamed): run the attempt
                     # again; the engine's stream is marked unsupported, so it uses StartGenerate.
@@ -162,6 +171,11 @@ class RequestRunner:
                 logger.info("%s %s elsewhere after %s", "resuming" if self.num_streamed else "retrying",
                             self._prepared.request_id, exc.message)
                 continue
+            except OverloadedError:
+                await _abort(self._router, attempt)
+                if self.num_streamed and await self._wait_for_room():
+                    continue  # a resume waits for room as long as for its next token
+                raise
             except BaseException:
                 await _abort(self._router, attempt)
                 raise
@@ -171,14 +185,32 @@ class RequestRunner:
                 self._engines = attempt.used
                 return
             await _abort(self._router, attempt)
-            num_preempts += 1
+            # The bound is on preempts in a row without a new token (one after progress is no
+            # loop): more than max_preempt_retries and for longer than the inter-token deadline.
+            # A resume is the newest request on its engine, the first one preempted again, so
+            # on a tight pool it may lose several times until the others finish.
+            num_preempts = num_preempts + 1 if self.num_streamed == streamed_at_preempt else 1
+            if num_preempts == 1:
+                stalled_since_s = time.monotonic()
+            streamed_at_preempt = self.num_streamed
             self._router.metrics.preemptions.inc()
-            if num_preempts > settings.max_preempt_retries:
+            is_stalled = time.monotonic() - stalled_since_s > settings.inter_token_timeout_s
+            if num_preempts > settings.max_preempt_retries and is_stalled:
                 raise PreemptedTooOftenError("the request was preempted too often; try again later")
             if self.num_streamed and self._num_choices > 1:
                 raise PreemptedTooOftenError("preempted after streaming; n > 1 cannot be resumed")
             if self._is_complete():
                 return
+
+    async def _wait_for_room(self) -> bool:
+        """Pause before trying the engines again for room for this request's KV -> False
+        once the bound has passed: the KV-full wait for a request that has streamed nothing
+        (then the client gets RESOURCE_EXHAUSTED / 429), the inter-token deadline for a
+        resume (its client waits for the next token; a preempted request that has streamed
+        is finished rather than refused when the pool frees up)."""
+        settings = self._router.settings
+        max_wait_s = settings.inter_token_timeout_s if self.num_streamed else settings.kv_full_wait_s
+        return await self._room.pause(self.num_streamed, max_wait_s)
 
     def _can_resume(self) -> bool:
         """Nothing streamed yet, or one choice whose tokens a resume can continue from."""
@@ -229,8 +261,12 @@ class RequestRunner:
             return await self._relay_messages(decode, resumed)
         self._router.open_attempt(attempt)  # translate_request gets only the request id
         request = self._request(attempt.engine_request_id)
-        return await self._relay_completions(self._router.translate_request(request, attempt.engine_request_id),
-                                             resumed)
+        scope = ATTEMPT_CACHE_SALT.set(attempt.cache_salt)  # for engine calls under ids of its own
+        try:
+            return await self._relay_completions(
+                self._router.translate_request(request, attempt.engine_request_id), resumed)
+        finally:
+            ATTEMPT_CACHE_SALT.reset(scope)
 
     async def _relay_messages(self, messages: Messages, resumed: ResumedText | None) -> _Outcome:
         """The built-in patterns' StartGenerate messages (engine_stream off)."""

@@ -16,6 +16,7 @@ import base64
 import contextlib
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from contextvars import ContextVar
 from typing import Any
 
 from microserving.pattern_names import PatternName
@@ -37,6 +38,11 @@ from router.placement import Placement
 from router.registry import EngineRegistry
 from router.settings import RouterSettings
 from router.streamed_decode import StreamedDecode
+
+# The tenant scope (cache salt) of the request whose translate_request runs in this task (set
+# by the runner for each attempt): the helpers apply it to engine calls under ids of the custom
+# code's own making too, and tasks it starts inherit it.
+ATTEMPT_CACHE_SALT: ContextVar[str] = ContextVar("attempt_cache_salt", default="")
 
 # What a custom router may override; overriding any of them turns the fast path off.
 _PROGRAMMABLE = ("translate_request", "send_prepare_receive", "send_remote_send", "send_start_generate")
@@ -155,7 +161,9 @@ class Router:
         tenant's request into another prefix-cache scope. A helper called outside any
         attempt gets a throwaway one."""
         job = _job(request)
-        attempt = self._helper_attempts.get(job.request_id) or Attempt(job.request_id)
+        attempt = self._helper_attempts.get(job.request_id)
+        if attempt is None:  # an id of the custom code's own making: the running attempt's scope
+            attempt = Attempt(job.request_id, cache_salt=ATTEMPT_CACHE_SALT.get())
         if attempt.cache_salt:
             job.sampling.cache_salt = attempt.cache_salt
         return job, attempt

@@ -81,7 +81,11 @@ class RouterSettings(BaseSettings):
         description="When every engine's KV cache is full, how long a new request waits for room "
         "before RESOURCE_EXHAUSTED (HTTP 429).",
     )
-    max_preempt_retries: int = Field(default=4, ge=0, description="Resumes of a preempted request.")
+    max_preempt_retries: int = Field(
+        default=4, ge=0,
+        description="Resumes of a preempted request in a row without a new token (and for at least "
+        "inter_token_timeout_s) before it fails.",
+    )
 
     adaptive_min_remote_tokens: int = Field(default=32, ge=0, description="Adaptive: below this many uncached tokens, skip P.")
     adaptive_max_prefill_load_ratio: float = Field(default=4.0, gt=0, description="Adaptive: skip P when its load exceeds D's by this ratio.")

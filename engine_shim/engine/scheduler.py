@@ -106,8 +106,10 @@ class Scheduler:
                 scheduled_seqs = {id(s.seq) for s in out.scheduled}
             victim = self._pick_victim(exclude=seq, scheduled=scheduled_seqs)
             if victim is None:
-                if out.scheduled:
-                    self._preempt(seq, out)  # wait for the others to finish
+                if out.scheduled or self._fits_the_pool(seq, num_tokens):
+                    # Wait for the others to finish, or for pages held outside the running
+                    # sequences (a PrepRecv reservation, a send job, a fence) to come back.
+                    self._preempt(seq, out)
                 else:
                     self.running.remove(seq)
                     out.out_of_pages.append(seq)
@@ -154,6 +156,12 @@ class Scheduler:
                 if acquired:  # give the matched pages back; the next try matches again
                     self.block_manager.release(seq.block_table)
                     seq.block_table, seq.num_computed_tokens = [], 0
+                elif num_tokens and seq.is_disaggregated and not self.running and not out.scheduled:
+                    # It holds its reservation's pages and nothing running will free more:
+                    # the pages it lacks are other reservations', whose sequences queue
+                    # behind it. Preempted, it frees them (the router runs it again).
+                    self.waiting.popleft()
+                    self._preempt(seq, out)
                 return
             self._record_admission(seq)
             self.waiting.popleft()
@@ -192,6 +200,11 @@ class Scheduler:
         seq.block_table.extend(self.block_manager.allocate(missing))
         return True
 
+    def _fits_the_pool(self, seq: Sequence, num_tokens: int) -> bool:
+        """Whether the whole pool could hold `seq` after this step's tokens."""
+        needed = num_pages_for(seq.num_computed_tokens + num_tokens, self.block_manager.page_size)
+        return needed <= self.block_manager.num_total_pages
+
     def _pick_victim(self, exclude: Sequence, scheduled: set[int]) -> Sequence | None:
         for seq in reversed(self.running):
             if seq is not exclude and id(seq) not in scheduled:
@@ -200,7 +213,8 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.num_preemptions += 1
-        self.running.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
         self.release(seq)
         if seq.is_disaggregated:
             seq.status = SeqStatus.FINISHED

@@ -165,6 +165,45 @@ def test_a_sequence_the_whole_pool_cannot_hold_is_reported_out_of_pages() -> Non
     assert scheduler.num_preemptions == 0
 
 
+@pytest.mark.parametrize("is_disaggregated", [False, True])
+def test_a_sequence_the_pool_could_hold_waits_while_pages_are_held_outside_the_running_ones(
+    is_disaggregated: bool,
+) -> None:
+    """Pages a reservation (or a send job) holds are not the sequence's limit: it steps back
+    (recomputed later, or preempted for the router to resume), never ends with "length"."""
+    scheduler = make_scheduler(num_pages=4)
+    seq = new_seq(1, 4)
+    seq.is_disaggregated = is_disaggregated
+    scheduler.add(seq)
+    computed(scheduler, scheduler.schedule())  # one full page
+    scheduler.block_manager.allocate(scheduler.block_manager.num_free_pages)  # a reservation's
+    out = scheduler.schedule()  # position 5 needs a second page of the four
+    assert out.out_of_pages == [] and out.scheduled == []
+    assert scheduler.num_preemptions == 1 and seq.block_table == []
+    if is_disaggregated:
+        assert out.preempted_aborted == [seq]
+    else:
+        assert scheduler.waiting[0] is seq and seq.status is SeqStatus.WAITING
+
+
+def test_a_queued_sequence_holding_a_reservation_steps_back_when_only_queued_ones_hold_pages() -> None:
+    """Two sequences that came with KV (reservations) hold the whole pool between them; the
+    first in line needs one more page for its first token and nothing runs: it is preempted
+    so the other one can run, instead of both waiting for ever."""
+    scheduler = make_scheduler(num_pages=4)
+    first, second = new_seq(1, 8), new_seq(2, 8, first_token=20)
+    for seq in (first, second):
+        seq.is_disaggregated = True
+        seq.block_table = scheduler.block_manager.allocate(2)  # its reservation's pages
+        seq.num_computed_tokens = 8  # the KV another engine sent
+        seq.token_ids.append(7)  # the token to decode next needs a third page
+        scheduler.add(seq)
+    out = scheduler.schedule()
+    assert out.preempted_aborted == [first] and first.block_table == []
+    out = scheduler.schedule()
+    assert computed(scheduler, out) == {2: 1} and scheduler.running == [second]
+
+
 def test_the_sequence_that_needs_a_page_waits_when_only_scheduled_ones_could_give_one() -> None:
     scheduler = make_scheduler(num_pages=2)
     first, second = new_seq(1, 4), new_seq(2, 4, first_token=20)

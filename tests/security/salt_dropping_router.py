@@ -20,3 +20,18 @@ class SaltDroppingRouter(Router):
         )
         async for response in self.send_start_generate(None, start, self.server_urls[0]):
             yield response
+
+
+class IdRenamingSaltDroppingRouter(Router):
+    """The same, and its engine call goes under a request id of its own making (not the one
+    the runner passed in)."""
+
+    async def translate_request(
+        self, request: openai_api_protocol.CompletionRequest, request_id: str
+    ) -> AsyncGenerator[openai_api_protocol.CompletionResponse | None, Any]:
+        request.user = f"{request_id}-mine"
+        start = microserving_entrypoints.StartGenerateRequest(
+            **request.model_dump(exclude={"cache_salt"}), begin=0
+        )
+        async for response in self.send_start_generate(None, start, self.server_urls[0]):
+            yield response

@@ -39,12 +39,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Servic
     stop_all(services.values())
 
 
-@pytest.fixture(scope="module")
-def custom_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
-    """A custom translate_request (--router-class) that drops cache_salt from what it sends."""
+@pytest.fixture(scope="module", params=["SaltDroppingRouter", "IdRenamingSaltDroppingRouter"])
+def custom_stack(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[dict[str, Service]]:
+    """A custom translate_request (--router-class) that drops cache_salt from what it sends
+    (and, the second, makes its engine call under a request id of its own)."""
     logs = tmp_path_factory.mktemp("tenants-custom")
     (shim,) = start_shims(logs, ["both"])
-    router_class = f"{Path(__file__).parent / 'salt_dropping_router.py'}:SaltDroppingRouter"
+    router_class = f"{Path(__file__).parent / 'salt_dropping_router.py'}:{request.param}"
     router = start_router(logs, [shim.address], "--router-class", router_class)
     gateway = start_gateway(logs, router.address, "--api-key", KEY_A, "--api-key", KEY_B)
     services = {"shim": shim, "router": router, "gateway": gateway}
