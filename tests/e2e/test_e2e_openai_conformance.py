@@ -109,7 +109,9 @@ def test_models_retrieve_and_unknown_models_are_not_found(client: openai.OpenAI)
 
 # ---- RateLimitError ----
 def test_over_the_inflight_limit_is_a_rate_limit_error(client: openai.OpenAI) -> None:
-    streams = [client.completions.create(model="tiny", prompt="Go on", max_tokens=400, stream=True,
+    # Near the tiny model's whole context each, so none can finish while the test is still
+    # opening the others and sending one more, even on a loaded machine (400 tokens could).
+    streams = [client.completions.create(model="tiny", prompt="Go on", max_tokens=2000, stream=True,
                                          extra_body={"ignore_eos": True})
                for _ in range(MAX_INFLIGHT)]
     try:

@@ -109,7 +109,9 @@ async def test_router_over_its_limit_answers_resource_exhausted(stack) -> None:
         async def messages():  # type: ignore[no-untyped-def]
             for i in range(num_requests):
                 yield router_pb2.GenerateRequest(generate=router_pb2.NewRequest(
-                    request_id=f"o{i}", text="over the limit", sampling=greedy(24)))
+                    # Long enough that the first ROUTER_LIMIT are still running when the
+                    # last arrive (24 tokens could finish first on fast engines).
+                    request_id=f"o{i}", text="over the limit", sampling=greedy(1000)))
 
         outcome: dict[str, str] = {}
         async for message in stub.Generate(messages(), timeout=120):

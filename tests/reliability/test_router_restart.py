@@ -55,7 +55,9 @@ async def test_gateway_answers_503_then_reconnects_after_router_restart(stack) -
     async with httpx.AsyncClient(base_url=f"http://{gateway.address}", timeout=30) as client:
         loaders = [asyncio.ensure_future(_load(client, statuses, bodies, stop, first_ok, restarted)) for _ in range(4)]
         async with client.stream("POST", "/v1/completions", json={
-            "prompt": "long", "max_tokens": 400, "ignore_eos": True, "stream": True, "temperature": 0,
+            # Near the tiny model's whole context: still streaming when the router dies 0.5 s in
+            # (400 tokens could finish first once the engines had a core each).
+            "prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True, "temperature": 0,
         }) as stream:
             assert stream.status_code == 200
             lines = aiter(stream.aiter_lines())

@@ -62,7 +62,9 @@ async def test_serve_runs_the_tutorial_router_behind_the_gateway() -> None:
     try:
         assert process.stdout is not None
         ready = process.stdout.readline()  # blocks until serve() says it serves
-        assert ready.startswith(f"microserving serve: ready at http://127.0.0.1:{port}/v1"), ready
+        # Nothing (the process ended): say why, from its stderr.
+        why = process.stderr.read()[-3000:] if not ready and process.stderr is not None else ""
+        assert ready.startswith(f"microserving serve: ready at http://127.0.0.1:{port}/v1"), (ready, why)
         assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=30).status_code == 200
         reply = httpx.post(url, json=body, timeout=60)  # the first request, not retried
         again = httpx.post(url, json=body, timeout=60)
