@@ -204,7 +204,8 @@ class ServiceProcess:
         """SIGKILL the process (a crash, for tests: what it started is not told, unless
         `whole_group`, which also ends those), and reap it."""
         if self.is_alive():
-            self.resume()
+            # No SIGCONT first: SIGKILL ends a stopped process too, and a frozen engine let run
+            # for a moment before it dies answers requests a test froze it to keep from it.
             self.process.kill()
         if whole_group:
             self._signal_group(signal.SIGKILL)

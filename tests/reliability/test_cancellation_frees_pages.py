@@ -1,7 +1,9 @@
 """Cancellation everywhere: an HTTP client that goes away before its first token, mid-stream,
 or while the router's RemoteSend is outstanding leaves nothing behind: the disconnect cancels
 the router stream, the router aborts every engine the request touched, and every engine's
-free KV pages are back at baseline within one second (no reservation left)."""
+free KV pages are back at baseline (no reservation left): within a second on an idle machine,
+allowed FREED_WITHIN_S with both cores busy, where an abort waits its turn like everything
+else (seen: 1.0 s was not enough under load; leaks never come back at all)."""
 
 from __future__ import annotations
 
@@ -56,12 +58,15 @@ async def _open_raw_stream(gateway: Service, prompt: str) -> tuple[asyncio.Strea
     return reader, writer
 
 
+FREED_WITHIN_S = 10.0
+
+
 async def _router_inflight(stack: dict[str, Service]) -> int:
     return (await router_status(stack["router"].address)).num_inflight_requests
 
 
 async def _assert_clean(stack: dict[str, Service], baseline: list[int], closed_at: float) -> None:
-    seen = await pages_at_baseline([stack["prefill"].address, stack["decode"].address], baseline, within_s=1.0)
+    seen = await pages_at_baseline([stack["prefill"].address, stack["decode"].address], baseline, within_s=FREED_WITHIN_S)
     assert seen == baseline, f"free pages {seen}, baseline {baseline}, {time.monotonic() - closed_at:.2f} s after"
     assert (await engine_status(stack["decode"].address)).num_reserved_requests == 0
 
@@ -115,7 +120,7 @@ async def test_disconnect_during_remote_send_frees_the_reservation(stack) -> Non
         assert await wait_until(in_remote_send, 15) is not None
         writer.close()
         closed_at = time.monotonic()
-        seen = await pages_at_baseline([decode.address], baseline[1:], within_s=1.0)
+        seen = await pages_at_baseline([decode.address], baseline[1:], within_s=FREED_WITHIN_S)
         assert seen == baseline[1:], f"decode pages {seen} {time.monotonic() - closed_at:.2f} s after"
         assert (await engine_status(decode.address)).num_reserved_requests == 0
     finally:
