@@ -70,7 +70,9 @@ async def test_workers_and_router_replicas_serve_together(scaled_stack) -> None:
 
     async def one(i: int) -> str:
         stream = await client.completions.create(
-            model="tiny", prompt="scaling across processes", max_tokens=64, temperature=0,
+            # Long enough to stay in flight across many of the watcher's polls (64 tokens could
+            # come and go between two of them once engines stepped fast).
+            model="tiny", prompt="scaling across processes", max_tokens=1000, temperature=0,
             stream=True, extra_body={"ignore_eos": True})
         return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
 
