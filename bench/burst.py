@@ -177,11 +177,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def report(result: dict[str, Any], out: Path | None) -> None:
+    """The figures as JSON on stdout, and in `out` too when given."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(result, args.out)
     return 0 if not {"hang", "404", "400", "500"} & set(result["outcomes"]) else 1

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import tempfile
@@ -26,7 +25,7 @@ from typing import Any
 import httpx
 import openai
 
-from bench.burst import PeakRss
+from bench.burst import PeakRss, report
 from bench.procs import BASE_URL, service_group
 
 MB = 1024 * 1024
@@ -121,9 +120,5 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = run(args)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    report(run(args), args.out)
     return 0

@@ -213,12 +213,12 @@ class SegmentMaps:
         if offer.host != self._host or offer.size - HEADER_BYTES < num_kv_bytes:
             return None
         key = (offer.pid, offer.fd, offer.nonce)
-        mapped = self._maps.pop(key, None)
+        mapped = self._maps.get(key)
         if mapped is not None and not _is_held(key, mapped):
-            os.close(mapped.fd)  # its receiver closed it
+            self._drop(key)  # its receiver closed it
             return None
         if mapped is not None:
-            self._maps[key] = mapped  # now the most recently used
+            self._maps[key] = self._maps.pop(key)  # now the most recently used
         else:
             mapped = _map(offer)
             if mapped is None:
