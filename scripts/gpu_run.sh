@@ -5,8 +5,8 @@
 # round-robin and disagg with both engines on the one GPU. Results go to $OUT (default
 # gpu_results/). Set GPU_STEPS to a subset, e.g. GPU_STEPS="tests bench"; `capacity` (the
 # engine alone against the whole stack, issue 16), `prefill-ab` (the same with the prefill
-# kernel off, then on) and `capacity-cpu2` (the CPU capacity benchmark on two cores) run only
-# when named.
+# kernel off, then on), `ab` (the same over the values of one setting) and `capacity-cpu2`
+# (the CPU capacity benchmark on two cores) run only when named.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu_results}"
@@ -45,18 +45,22 @@ for step in $steps; do
         --requests-per-stream "${GPU_REQUESTS_PER_STREAM:-6}" --rounds "${GPU_ROUNDS:-3}" \
         --gateway-workers "${GPU_GATEWAY_WORKERS:-4}" --router-replicas "${GPU_ROUTER_REPLICAS:-2}" \
         ${GPU_CAPACITY_ARGS:-} --out "$out/capacity" 2>&1 | tee "$out/capacity.log" | tail -16 ;;
-    prefill-ab)
-      # Issue 16: the prefill kernel's effect, side by side in one run: the same capacity
-      # benchmark with every shim and the in-process engine on the per-sequence prefill path
-      # (MICROSERVING_SHIM_PAGED_PREFILL=false), then on the one-launch paged kernel (default).
-      for pp in false true; do
-        MICROSERVING_SHIM_PAGED_PREFILL=$pp MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" \
+    prefill-ab|ab)
+      # Issue 16, side by side in one run: the capacity benchmark once per value of one shim
+      # setting, given to every shim and to the in-process engine alike through its
+      # environment variable. `prefill-ab`: the per-sequence prefill path
+      # (MICROSERVING_SHIM_PAGED_PREFILL=false), then the one-launch paged kernel (default);
+      # `ab`: AB_ENV over AB_VALUES, e.g. AB_ENV=MICROSERVING_SHIM_PREFILL_HOLD_MS AB_VALUES="0 4 8".
+      ab_env="${AB_ENV:-MICROSERVING_SHIM_PAGED_PREFILL}" ab_values="${AB_VALUES:-false true}"
+      [ "$step" = prefill-ab ] && ab_env=MICROSERVING_SHIM_PAGED_PREFILL ab_values="false true"
+      for value in $ab_values; do
+        env "$ab_env=$value" MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" \
           timeout "${AB_TIMEOUT_S:-300}" "$python" -m microserving.cli bench capacity --backend embedded \
           --model llama-1b --device cuda --patterns ${AB_PATTERNS:-round-robin} \
           --streams ${AB_STREAMS:-32 64 128} --input-len 256 --output-len 256 \
           --requests-per-stream "${AB_REQUESTS_PER_STREAM:-4}" --rounds "${AB_ROUNDS:-2}" \
-          --gateway-workers 4 --router-replicas 2 ${AB_ARGS:-} --out "$out/prefill_ab_$pp" 2>&1 \
-          | tee "$out/prefill_ab_$pp.log" | tail -6
+          --gateway-workers 4 --router-replicas 2 ${AB_ARGS:-} --out "$out/${step}_$value" 2>&1 \
+          | tee "$out/${step}_$value.log" | tail -6
       done ;;
     capacity-cpu2)
       # The CPU capacity benchmark (synthetic engines) on two of this host's cores, the size
