@@ -5,7 +5,7 @@ to `_on_output` as the engine delivers it (for the embedded engine: all of one s
 in one event-loop callback, no task switch per output). Outputs go into the message being
 built (`microserving.multiplex.Batcher`, one entry per request, merged when several steps'
 output queue up); the stream's writer sends the whole message whenever it is free. A request's
-first output goes out as soon as the writer can write; errors end only their request, with the
+first and last outputs go out as soon as the writer can write; errors end only their request, with the
 status code StartGenerate would have given; `cancel`, the caller going away or the stream
 breaking cancel the per-request tasks, which aborts those requests on the engine.
 """
@@ -115,8 +115,11 @@ class GenerateMultiplexer:
         is_first = request_id not in self._has_output
         if is_first:
             self._has_output.add(request_id)
-        # A first output is never held back by the stream interval (time to first token).
-        entry, _ = self._out.keyed(request_id, urgent=is_first, request_id=request_id)
+        # A first output is never held back by the stream interval (time to first token), nor
+        # a last one: the caller waits for it to end the request (and, in a closed loop, to send
+        # the next), and it comes once per request.
+        urgent = is_first or output.is_finished
+        entry, _ = self._out.keyed(request_id, urgent=urgent, request_id=request_id)
         add_generate_output(entry, output)
         if output.is_finished:
             self._out.seal(request_id)  # a later request under the id gets an entry of its own

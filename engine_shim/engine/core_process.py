@@ -17,6 +17,7 @@ import logging
 import os
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from multiprocessing.connection import Connection
@@ -35,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 _START_POLL_S = 0.5
 _STOP_WAIT_S = 10.0
+# The core's loop thread runs Python almost without pause (it launches the device's work), and
+# the writer thread must win the GIL from it to send a step's outputs. At CPython's default
+# switch interval (5 ms) a step's tokens could wait that long in the core; 0.5 ms bounds it.
+_CORE_SWITCH_INTERVAL_S = 0.0005
 
 
 class ProcessDriver:
@@ -204,6 +209,7 @@ def _child_main(
     # has drained, which would fail the calls in flight as "engine process exited".
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    sys.setswitchinterval(_CORE_SWITCH_INTERVAL_S)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
     try:
         core = _build_core(config, core_factory)
