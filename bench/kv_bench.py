@@ -199,7 +199,7 @@ def main() -> None:
     args = parser.parse_args()
     paths = tuple(args.paths)
     if "nixl" in paths:
-        from engine_shim.kv_nixl import load_nixl
+        from engine_shim.backends.embedded.kv_plane.nixl import load_nixl
 
         module, reason = load_nixl()
         if module is None:

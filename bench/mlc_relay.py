@@ -37,7 +37,11 @@ from bench.mlc_relay_load import direct_load, mlc_body, relay_load, round_trips
 from bench.mlc_relay_report import compare_rows, table
 from bench.mlc_relay_stack import RelayStack, start_relay_stack
 from bench.procs import service_group
-from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
+from engine_shim.backends.synthetic.profile import (
+    DEFAULT_PREFILL_TOK_S,
+    DEFAULT_STEP_MS,
+    StepProfile,
+)
 
 PATTERNS = ("round-robin", "disagg")
 _SETTLE_S = 1.0  # after a timed cell cuts its streams off, let the engines abort them

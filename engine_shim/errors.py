@@ -50,7 +50,7 @@ def status_code_for(error: EngineError) -> grpc.StatusCode:
 
 async def _abort_for(error: Exception, context: aio.ServicerContext, method: str) -> None:
     code = status_code_for(error) if isinstance(error, EngineError) else grpc.StatusCode.INTERNAL
-    fault = getattr(error, "fault", None)  # another engine is at fault (kv_sender.py)
+    fault = getattr(error, "fault", None)  # another engine is at fault (kv_plane/sender.py)
     if fault:
         context.set_trailing_metadata(((FAULT_METADATA_KEY, fault),))
     if code != grpc.StatusCode.INTERNAL:

@@ -12,7 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from engine_shim.backend import Backend
-from engine_shim.kv_receiver import KV_TRANSFER_SERVICE
+from engine_shim.backends.embedded.kv_plane.receiver import KV_TRANSFER_SERVICE
 from engine_shim.metrics import ShimMetrics
 from engine_shim.requests import RequestTracker
 from engine_shim.servicer import EngineServicer
@@ -29,14 +29,14 @@ ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
 
 def make_backend(settings: ShimSettings) -> Backend:
     if settings.backend == "embedded":
-        from engine_shim.embedded import EmbeddedBackend
+        from engine_shim.backends.embedded.backend import EmbeddedBackend
 
         return EmbeddedBackend(settings)
     if settings.backend == "synthetic":  # benchmark only
-        from engine_shim.synthetic.backend import SyntheticBackend
+        from engine_shim.backends.synthetic.backend import SyntheticBackend
 
         return SyntheticBackend(settings)
-    from engine_shim.mlc.backend import MLCBackend
+    from engine_shim.backends.mlc.backend import MLCBackend
 
     return MLCBackend(settings)
 

@@ -32,7 +32,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._stream_interval_s = stream_interval_s
         self._stream_updates_per_s = stream_updates_per_s
         self._tracker = tracker
-        self.hold_reservation = tracker.hold  # told by the KV data plane (kv_receiver.py)
+        self.hold_reservation = tracker.hold  # told by the KV data plane (kv_plane/receiver.py)
         self._role = role
         self._max_prompt_tokens = max_prompt_tokens
         self.is_ready = False

@@ -8,7 +8,11 @@ from typing import Annotated, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
+from engine_shim.backends.synthetic.profile import (
+    DEFAULT_PREFILL_TOK_S,
+    DEFAULT_STEP_MS,
+    StepProfile,
+)
 from microserving.transport import DEFAULT_MAX_MESSAGE_BYTES, TransportSettings
 
 Role = Literal["prefill", "decode", "both"]
@@ -112,7 +116,7 @@ class ShimSettings(BaseSettings):
     kv_shm: bool = Field(
         True,
         description="Move KV through shared memory (memfd stages) when sender and receiver "
-        "run on one host; only control travels over gRPC (engine_shim/kv_shm.py). Off: gRPC "
+        "run on one host; only control travels over gRPC (engine_shim/backends/embedded/kv_plane/shm.py). Off: gRPC "
         "only.",
     )
     kv_shm_max_mb: int = Field(

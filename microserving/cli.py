@@ -14,7 +14,7 @@ import sys
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shim": ("engine_shim.cli", "run a gRPC engine shim (embedded or MLC backend)"),
-    "mlc-compat": ("engine_shim.mlc_compat.cli", "serve the embedded engine over MLC's HTTP wire format"),
+    "mlc-compat": ("engine_shim.mlc_http.cli", "serve the embedded engine over MLC's HTTP wire format"),
     "router": ("router.cli", "run the gRPC router"),
     "gateway": ("gateway.cli", "run the OpenAI HTTP gateway"),
     "up": ("microserving.stack.up", "start a whole local stack: shims, router and gateway"),

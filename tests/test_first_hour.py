@@ -11,7 +11,7 @@ import pytest
 
 import bench.cli
 import engine_shim.cli
-import engine_shim.mlc_compat.cli
+import engine_shim.mlc_http.cli
 import gateway.cli
 import microserving.cli
 import microserving.stack.up
@@ -22,7 +22,7 @@ from engine_shim.engine.config import MODEL_PRESETS
 from microserving.tokenizer import PRESET_NAMES
 
 PARSERS = {
-    "shim": engine_shim.cli._parser, "mlc-compat": engine_shim.mlc_compat.cli._parser,
+    "shim": engine_shim.cli._parser, "mlc-compat": engine_shim.mlc_http.cli._parser,
     "router": router.cli.build_parser, "gateway": gateway.cli.build_parser,
     "up": microserving.stack.up.build_parser, "bench": bench.cli.build_parser,
 }

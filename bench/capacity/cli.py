@@ -31,7 +31,11 @@ from bench.capacity.report import fold_rounds, table
 from bench.capacity.stack import ROLES, StackOptions, start_stack
 from bench.loadgen.results import machine_info
 from bench.procs import service_group
-from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
+from engine_shim.backends.synthetic.profile import (
+    DEFAULT_PREFILL_TOK_S,
+    DEFAULT_STEP_MS,
+    StepProfile,
+)
 
 _SETTLE_S = 1.0  # after a timed cell cuts its streams off, let the stack abort them
 

@@ -3,7 +3,7 @@ gateway, each request a fixed prompt of token ids with ignore_eos, streamed over
 
 Kept lean on purpose (the client shares the machine with the stack): one json.loads per SSE
 chunk and a few appends. Tokens are counted from text, one character per token: the
-synthetic engine emits one printable byte token per token (engine_shim/synthetic/tokens.py),
+synthetic engine emits one printable byte token per token (engine_shim/backends/synthetic/tokens.py),
 so counts stay exact when a hop merges several tokens into one chunk. Every token's arrival
 falls inside or outside the measured window; only tokens inside it count.
 """

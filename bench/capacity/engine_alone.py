@@ -4,7 +4,7 @@ The same workload the stack gets (S closed-loop streams, prompts of `input_len` 
 `output_len` tokens each with ignore_eos at temperature 0, a new request as soon as one ends,
 so prefills interleave with decode as in serving), run on the engine core's own step loop in
 this process: no thread, no gRPC, no HTTP. The engine is configured exactly as a shim with the
-same flags would configure it (`engine_shim.embedded.engine_config`).
+same flags would configure it (`engine_shim.backends.embedded.backend.engine_config`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class EngineAlone:
     """One engine core for every stream count (loaded once, freed by `close`)."""
 
     def __init__(self, model: str, device: str, max_num_seqs: int, shim_env: dict[str, Any]) -> None:
-        from engine_shim.embedded import engine_config  # torch loads here
+        from engine_shim.backends.embedded.backend import engine_config  # torch loads here
         from engine_shim.engine.llm_engine import LLMEngine
         from engine_shim.settings import ShimSettings
 

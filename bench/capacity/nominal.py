@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine_shim.synthetic.profile import StepProfile
+from engine_shim.backends.synthetic.profile import StepProfile
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from bench.control_plane_run import wait_grpc_serving, wait_http_ready
 from bench.procs import ServiceGroup
 from microserving.stack.process import ServiceProcess
 
-# Printed by the synthetic backend once its engine thread runs (engine_shim/synthetic/backend.py).
+# Printed by the synthetic backend once its engine thread runs (engine_shim/backends/synthetic/backend.py).
 _ENGINE_THREAD = re.compile(r"engine thread native id (\d+)")
 
 ROLES = {"round-robin": ("both",), "disagg": ("prefill", "decode")}

@@ -112,7 +112,7 @@ async def test_abort_from_outside_ends_the_generate_stream(engines) -> None:
 async def test_export_chunks_by_bytes_hold_as_many_whole_tokens_as_fit() -> None:
     """kv_export_chunk_bytes (what the shim sets to its PushKV message size) sizes chunks by
     the pool's bytes per token, and PD over such chunks stays token-exact."""
-    from engine_shim.kv_codec import bytes_per_token
+    from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token
 
     decode = AsyncEngine(EngineConfig(num_pages=128))
     await decode.start()

@@ -14,12 +14,16 @@ import numpy as np
 import pytest
 from engine_test_utils import GREEDY, generate_alone, random_prompt, tokens_of
 
+from engine_shim.backends.embedded.kv_plane.nixl import pool_region
+from engine_shim.backends.embedded.kv_plane.nixl_descs import (
+    descriptors,
+    paired_runs,
+    segment_slots,
+)
 from engine_shim.engine.api import InvalidRequestError, NotFoundError
 from engine_shim.engine.block_manager import slot_segments
 from engine_shim.engine.disaggregation import WRITE_FENCE_MARGIN_S, SendReady
 from engine_shim.engine.llm_engine import LLMEngine
-from engine_shim.kv_nixl import pool_region
-from engine_shim.kv_nixl_descs import descriptors, paired_runs, segment_slots
 
 pytestmark = pytest.mark.unit
 

@@ -26,7 +26,7 @@ from stack_procs import (
     wait_until,
 )
 
-from engine_shim.kv_nixl import load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl import load_nixl
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 

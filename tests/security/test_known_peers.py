@@ -15,9 +15,9 @@ import grpc
 import pytest
 from stack_procs import Service, greedy, start_router, start_shims, stop_all
 
+from engine_shim.backends.embedded.kv_plane.peers import PeerAllowList
+from engine_shim.backends.embedded.kv_plane.sender import PeerChannels
 from engine_shim.engine.api import PermissionDeniedError
-from engine_shim.kv_peers import PeerAllowList
-from engine_shim.kv_sender import PeerChannels
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 

@@ -20,8 +20,8 @@ from stack_procs import (
     stop_all,
 )
 
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
 from engine_shim.engine.api import InvalidRequestError
-from engine_shim.kv_addr import KVAddrInfo
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import uvicorn
 
-from engine_shim.mlc_compat.app import create_app
-from engine_shim.mlc_compat.cli import bind
-from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.mlc_http.app import create_app
+from engine_shim.mlc_http.cli import bind
+from engine_shim.mlc_http.settings import MLCCompatSettings
 
 
 class Recorder:

@@ -110,7 +110,7 @@ async def generate_alone(address: str, request_id: str, tokens: list[int]) -> li
 
 async def introduce(sender: engine_pb2_grpc.EngineStub, *peers: str) -> None:
     """Tell a shim its KV peers, as a router's status poll does (a shim pushes KV to no one
-    else; engine_shim/kv_peers.py)."""
+    else; engine_shim/backends/embedded/kv_plane/peers.py)."""
     await sender.GetStatus(engine_pb2.GetStatusRequest(kv_peers=list(peers)))
 
 

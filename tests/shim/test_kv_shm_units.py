@@ -13,10 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine_shim.engine.api import InvalidRequestError, KVLayout
-from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_codec import bytes_per_token, staged_chunk
-from engine_shim.kv_shm import (
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
+from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, staged_chunk
+from engine_shim.backends.embedded.kv_plane.shm import (
     HEADER_BYTES,
     MIN_SEGMENT_BYTES,
     SegmentMaps,
@@ -24,6 +23,7 @@ from engine_shim.kv_shm import (
     host_identity,
     stage_fds,
 )
+from engine_shim.engine.api import InvalidRequestError, KVLayout
 
 pytestmark = pytest.mark.skipif(host_identity() is None, reason="needs memfd and /proc (Linux)")
 

@@ -26,8 +26,8 @@ from mlc_protocol_models import (
     StreamOptions,
 )
 
-from engine_shim.mlc_compat.cli import parse_settings
-from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.mlc_http.cli import parse_settings
+from engine_shim.mlc_http.settings import MLCCompatSettings
 from microserving.token_bytes import parse_display_token
 from microserving.tokenizer import Tokenizer
 

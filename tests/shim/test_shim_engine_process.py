@@ -29,7 +29,7 @@ from shim_helpers import (
     wait_for_free_pages,
 )
 
-from engine_shim.kv_nixl import load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl import load_nixl
 from microserving.v1 import engine_pb2
 
 pytestmark = pytest.mark.e2e

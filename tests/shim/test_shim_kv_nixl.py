@@ -33,7 +33,7 @@ from shim_helpers import (
     wait_for_free_pages,
 )
 
-from engine_shim.kv_nixl import load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl import load_nixl
 from microserving.transport import FAULT_METADATA_KEY, FAULT_RECEIVER
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -50,7 +50,7 @@ async def _reserve(stub, request_id: str, tokens: list[int]) -> dict:
 
 def _write_request(info: dict, sender_agent: str, **changes: object) -> engine_pb2.WriteKVRequest:
     """A WriteKV claim as a sender builds it (digest from the shim's own KVAddrInfo)."""
-    from engine_shim.kv_addr import KVAddrInfo
+    from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
 
     layout = engine_pb2.KVLayout(**info["layout"])
     fields: dict[str, object] = {

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from shim_helpers import ShimProcess, generate_alone, logged_path, pd_flow
 
-from engine_shim.kv_nixl import load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl import load_nixl
 
 NIXL, WHY_NOT = load_nixl()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]

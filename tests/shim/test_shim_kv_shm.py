@@ -27,10 +27,15 @@ from shim_helpers import (
     wait_for_free_pages,
 )
 
+from engine_shim.backends.embedded.kv_plane.addr import ShmOffer
+from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, staged_chunk
+from engine_shim.backends.embedded.kv_plane.shm import (
+    RETIRED_CHECK_S,
+    SegmentMaps,
+    host_identity,
+    stage_fds,
+)
 from engine_shim.engine.api import KVLayout
-from engine_shim.kv_addr import ShmOffer
-from engine_shim.kv_codec import bytes_per_token, staged_chunk
-from engine_shim.kv_shm import RETIRED_CHECK_S, SegmentMaps, host_identity, stage_fds
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 

@@ -19,7 +19,7 @@ import pytest_asyncio
 from compat_servers import CompatServer
 from shim_helpers import PROMPT, engine_stub, greedy
 
-from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.mlc_http.settings import MLCCompatSettings
 from engine_shim.server import ShimServer
 from engine_shim.settings import ShimSettings
 from microserving.v1 import engine_pb2

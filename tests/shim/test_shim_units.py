@@ -10,6 +10,9 @@ import grpc
 import pytest
 
 from engine_shim import validation
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
+from engine_shim.backends.mlc import protocol
+from engine_shim.backends.mlc.sse import sse_json
 from engine_shim.engine.api import (
     AlreadyExistsError,
     EngineError,
@@ -23,10 +26,7 @@ from engine_shim.engine.api import (
     UnavailableError,
 )
 from engine_shim.errors import status_code_for
-from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.mlc import protocol
-from engine_shim.mlc.sse import sse_json
-from engine_shim.mlc_compat.kv_relay import decode_kv_append_metadata, encode_kv_append_metadata
+from engine_shim.mlc_http.kv_relay import decode_kv_append_metadata, encode_kv_append_metadata
 from engine_shim.requests import RequestTracker
 from engine_shim.settings import ShimSettings
 from engine_shim.token_bytes import TokenBytes
@@ -209,7 +209,10 @@ def test_settings_come_from_the_environment_and_reject_unknown_options(monkeypat
 
 @pytest.mark.parametrize("begin,num_tokens,size", [(0, 0, 0), (5, 256, 1 << 20), (300, 1, 7)])
 def test_hand_written_kv_chunk_codec_matches_protobuf_both_ways(begin, num_tokens, size):
-    from engine_shim.kv_codec import decode_chunk_request, encode_chunk_request
+    from engine_shim.backends.embedded.kv_plane.codec import (
+        decode_chunk_request,
+        encode_chunk_request,
+    )
     from microserving.v1 import engine_pb2
 
     raw = bytes(range(256)) * (size // 256) + bytes(size % 256)
@@ -226,7 +229,7 @@ def test_hand_written_kv_chunk_codec_matches_protobuf_both_ways(begin, num_token
 
 
 def test_copy_free_chunk_decoder_takes_any_field_order_and_last_value_wins():
-    from engine_shim.kv_codec import _varint, decode_chunk_request
+    from engine_shim.backends.embedded.kv_plane.codec import _varint, decode_chunk_request
     from microserving.v1 import engine_pb2
 
     fields = b"\x1a\x03abc" + b"\x10\x07" + b"\x08" + _varint(300) + b"\x10\x09"
@@ -252,6 +255,6 @@ def test_copy_free_chunk_decoder_takes_any_field_order_and_last_value_wins():
     ],
 )
 def test_copy_free_chunk_decoder_leaves_everything_else_to_protobuf(wire):
-    from engine_shim.kv_codec import decode_chunk_request
+    from engine_shim.backends.embedded.kv_plane.codec import decode_chunk_request
 
     assert decode_chunk_request(wire) is None

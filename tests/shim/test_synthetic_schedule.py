@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 
 from bench.capacity.nominal import nominal
+from engine_shim.backends.synthetic.core import SyntheticCore
+from engine_shim.backends.synthetic.profile import StepProfile
 from engine_shim.engine.api import (
     FinishReason,
     GenerateOutput,
@@ -15,8 +17,6 @@ from engine_shim.engine.api import (
 )
 from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.disaggregation import SendReady
-from engine_shim.synthetic.core import SyntheticCore
-from engine_shim.synthetic.profile import StepProfile
 
 PROFILE = StepProfile.parse("1:1.03,32:1.33,128:2.01", 120_000)
 PROMPT = [ord(c) for c in "the quick brown fox jumps over the lazy dog " * 5]  # 220 tokens
@@ -195,7 +195,7 @@ def test_kv_for_the_wrong_window_is_refused() -> None:
 
 
 def test_device_clock_chains_decode_steps_and_waits_for_the_host_otherwise() -> None:
-    from engine_shim.synthetic.device_clock import DeviceClock
+    from engine_shim.backends.synthetic.device_clock import DeviceClock
 
     clock = DeviceClock()
     assert clock.step_ends_at(10.0, 1.0, is_chained=True) == 11.0  # idle: starts when called

@@ -10,13 +10,19 @@ from collections.abc import Iterator
 
 import torch
 
-from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout
+from engine_shim.engine.api import FailedPreconditionError, InvalidRequestError, KVChunk, KVLayout
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def torch_dtype(layout: KVLayout) -> torch.dtype:
     return _DTYPES[layout.dtype]
+
+
+def check_layout(theirs: KVLayout, ours: KVLayout) -> None:
+    if theirs != ours:
+        fields = [name for name in vars(ours) if getattr(theirs, name) != getattr(ours, name)]
+        raise FailedPreconditionError(f"incompatible KV layout: {', '.join(fields)} differ")
 
 
 @functools.lru_cache(maxsize=64)

@@ -9,10 +9,10 @@ import logging
 from functools import partial
 from typing import TYPE_CHECKING, cast
 
-from engine_shim.embedded import EmbeddedBackend
+from engine_shim.backends.embedded.backend import EmbeddedBackend
+from engine_shim.backends.synthetic.core import SyntheticCore
+from engine_shim.backends.synthetic.profile import StepProfile
 from engine_shim.settings import ShimSettings
-from engine_shim.synthetic.core import SyntheticCore
-from engine_shim.synthetic.profile import StepProfile
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -7,7 +7,11 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from engine_shim.synthetic.profile import DEFAULT_PREFILL_TOK_S, DEFAULT_STEP_MS, StepProfile
+from engine_shim.backends.synthetic.profile import (
+    DEFAULT_PREFILL_TOK_S,
+    DEFAULT_STEP_MS,
+    StepProfile,
+)
 
 
 class MLCCompatSettings(BaseSettings):

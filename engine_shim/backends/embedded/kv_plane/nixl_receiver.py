@@ -12,10 +12,11 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
+from engine_shim.backends.embedded.kv_plane.codec import check_layout
+from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
+from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable
 from engine_shim.convert import layout_from_pb
 from engine_shim.engine.api import InvalidRequestError, KVLayout, UnavailableError
-from engine_shim.kv_nixl import NixlPlane
-from engine_shim.kv_receiver import ReceiveTable, check_layout
 from microserving.v1 import engine_pb2
 
 # A sender may not declare a longer write than this (its pages would be fenced as long).

@@ -1,5 +1,5 @@
 """The sending side of a NIXL write: holding the receiver's reservation from the start
-(kv_hold.py), and with the send's pages held once computed, claim the receiver's
+(hold.py), and with the send's pages held once computed, claim the receiver's
 reservation over KVTransfer.WriteKV (quoting the offer it writes by and a deadline), write the
 pages straight into the reserved slots once the receiver says ready, and return once it says
 the notification arrived. Writes go only to an agent that this authenticated peer confirmed
@@ -17,13 +17,17 @@ from typing import Any
 import numpy as np
 from grpc import aio
 
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
+from engine_shim.backends.embedded.kv_plane.hold import holding
+from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
+from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
+from engine_shim.backends.embedded.kv_plane.sender import (
+    PEER_ERRORS,
+    PeerChannels,
+    ReceiverUnavailableError,
+)
 from engine_shim.convert import layout_to_pb
 from engine_shim.engine.api import UnavailableError
-from engine_shim.kv_addr import KVAddrInfo, NixlOffer
-from engine_shim.kv_hold import holding
-from engine_shim.kv_nixl import NixlPlane
-from engine_shim.kv_nixl_descs import segment_slots
-from engine_shim.kv_sender import PEER_ERRORS, PeerChannels, ReceiverUnavailableError
 from microserving.v1 import engine_pb2
 
 

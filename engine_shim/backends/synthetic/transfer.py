@@ -13,6 +13,7 @@ from collections.abc import Sequence as SequenceT
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
+from engine_shim.backends.synthetic.pages import PagePool
 from engine_shim.engine import validation
 from engine_shim.engine.api import (
     AlreadyExistsError,
@@ -28,7 +29,6 @@ from engine_shim.engine.api import (
 from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendFailed
 from engine_shim.engine.sequence import SeqKind, Sequence
-from engine_shim.synthetic.pages import PagePool
 
 if TYPE_CHECKING:
     import torch

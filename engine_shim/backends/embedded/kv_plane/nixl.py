@@ -5,7 +5,7 @@ send's slots straight into a peer's pool. KV never passes through a stage or a m
 
 The receiver describes its pool in kv_addr_info (NixlOffer); the sender loads the agent's
 metadata from there, but writes only after the receiver, over the authenticated KVTransfer
-channel, has confirmed that offer for this reservation (WriteKV, kv_nixl_sender.py). A
+channel, has confirmed that offer for this reservation (WriteKV, nixl_sender.py). A
 write carries the reservation token as its notification; the receiver completes the
 reservation only on that token from the agent that claimed it.
 
@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from engine_shim.backends.embedded.kv_plane.addr import NixlOffer
+from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion, descriptors, paired_runs
 from engine_shim.engine.api import UnavailableError
-from engine_shim.kv_addr import NixlOffer
-from engine_shim.kv_nixl_descs import PoolRegion, descriptors, paired_runs
 
 logger = logging.getLogger(__name__)
 

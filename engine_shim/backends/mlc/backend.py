@@ -22,6 +22,9 @@ from typing import Any
 import aiohttp
 
 from engine_shim.backend import BackendInfo, Reservation, SendResult
+from engine_shim.backends.mlc import protocol
+from engine_shim.backends.mlc.launcher import MLCProcess
+from engine_shim.backends.mlc.sse import sse_json
 from engine_shim.engine.api import (
     EngineStatus,
     GenerateOutput,
@@ -32,9 +35,6 @@ from engine_shim.engine.api import (
     UnavailableError,
     Usage,
 )
-from engine_shim.mlc import protocol
-from engine_shim.mlc.launcher import MLCProcess
-from engine_shim.mlc.sse import sse_json
 from engine_shim.settings import ShimSettings
 from engine_shim.token_bytes import TokenBytes
 from microserving.tokenizer import Tokenizer

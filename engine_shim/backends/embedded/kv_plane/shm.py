@@ -48,9 +48,9 @@ from pathlib import Path
 
 import torch
 
+from engine_shim.backends.embedded.kv_plane.addr import ShmOffer
+from engine_shim.backends.embedded.kv_plane.codec import staged_chunk
 from engine_shim.engine.api import KVLayout, UnavailableError
-from engine_shim.kv_addr import ShmOffer
-from engine_shim.kv_codec import staged_chunk
 
 logger = logging.getLogger(__name__)
 

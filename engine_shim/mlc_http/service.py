@@ -18,13 +18,13 @@ from engine_shim.engine.api import (
     SamplingParams,
 )
 from engine_shim.engine.config import EngineConfig
-from engine_shim.mlc_compat import kv_relay
-from engine_shim.mlc_compat.protocol import (
+from engine_shim.mlc_http import kv_relay
+from engine_shim.mlc_http.protocol import (
     CompletionRequest,
     PrepRecvRequest,
     RemoteSendRequest,
 )
-from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.mlc_http.settings import MLCCompatSettings
 from engine_shim.token_bytes import TokenBytes
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class CompatService:
             enable_prefix_cache=s.enable_prefix_cache,
         )
         if s.synthetic:
-            from engine_shim.mlc_compat.synthetic import synthetic_factory
+            from engine_shim.mlc_http.synthetic import synthetic_factory
 
             logger.warning("mlc-compat runs the synthetic engine core (BENCHMARK ONLY)")
             engine = AsyncEngine(config, synthetic_factory(s))

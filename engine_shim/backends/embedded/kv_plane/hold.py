@@ -1,5 +1,5 @@
 """KVTransfer.HoldKV, both sides: a one-sided (NIXL) sender claims the receiver's reservation
-only once its engine has computed the KV (WriteKV, kv_nixl_sender.py), and that engine may
+only once its engine has computed the KV (WriteKV, nixl_sender.py), and that engine may
 queue the send for longer than the reservation's TTL. So the sender opens a hold as its
 RemoteSend begins and keeps it open until its write has ended; the receiver keeps the
 reservation (its ticket and the engine's pages) from expiring while any hold is open.
@@ -16,8 +16,8 @@ from typing import Any, Protocol
 import grpc
 from grpc import aio
 
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
 from engine_shim.engine.api import NotFoundError
-from engine_shim.kv_addr import KVAddrInfo
 from microserving.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ HoldFn = Callable[[str, bool], Awaitable[None]]
 
 
 class HoldTable(Protocol):
-    """The receiver's reservations (kv_receiver.ReceiveTable, which imports this file)."""
+    """The receiver's reservations (reservations.ReceiveTable)."""
 
     def hold(self, request_id: str, token: str) -> Any: ...
 

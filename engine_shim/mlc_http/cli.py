@@ -12,7 +12,7 @@ import sys
 import uvicorn
 from pydantic import ValidationError
 
-from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.mlc_http.settings import MLCCompatSettings
 from microserving.tokenizer import MODEL_HELP
 
 
@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         default=None,
         help="BENCHMARK ONLY: a model-free engine core that emits tokens on a GPU step-time "
-        "schedule (engine_shim/synthetic), to measure the HTTP server and what fronts it",
+        "schedule (engine_shim/backends/synthetic), to measure the HTTP server and what fronts it",
     )
     parser.add_argument("--synthetic-step-ms", help="synthetic core: decode step ms by batch")
     parser.add_argument("--synthetic-prefill-tok-s", type=float, help="synthetic core: prefill rate")
@@ -86,7 +86,7 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 async def serve(settings: MLCCompatSettings) -> None:
-    from engine_shim.mlc_compat.app import create_app
+    from engine_shim.mlc_http.app import create_app
 
     sock = bind(settings.host, settings.port)
     config = uvicorn.Config(create_app(settings), log_level=settings.log_level.lower())

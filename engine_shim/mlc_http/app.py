@@ -27,8 +27,8 @@ from engine_shim.engine.api import (
     UnavailableError,
     Usage,
 )
-from engine_shim.mlc_compat import kv_relay
-from engine_shim.mlc_compat.protocol import (
+from engine_shim.mlc_http import kv_relay
+from engine_shim.mlc_http.protocol import (
     ChoiceLogprobs,
     CompletionRequest,
     PrepRecvRequest,
@@ -38,9 +38,9 @@ from engine_shim.mlc_compat.protocol import (
     completion_json,
     usage_json,
 )
-from engine_shim.mlc_compat.request_metrics import RequestMetrics
-from engine_shim.mlc_compat.service import CompatService
-from engine_shim.mlc_compat.settings import MLCCompatSettings
+from engine_shim.mlc_http.request_metrics import RequestMetrics
+from engine_shim.mlc_http.service import CompatService
+from engine_shim.mlc_http.settings import MLCCompatSettings
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 
+from engine_shim.backends.embedded.kv_plane.codec import chunk_from_bytes, split_chunk
 from engine_shim.engine.api import (
     FailedPreconditionError,
     InvalidRequestError,
@@ -22,7 +23,6 @@ from engine_shim.engine.api import (
     NotFoundError,
     UnavailableError,
 )
-from engine_shim.kv_codec import chunk_from_bytes, split_chunk
 
 PUSH_KV_PATH = "/microserving/_internal/push_kv"
 H_REQUEST_ID = "x-microserving-request-id"

@@ -13,6 +13,20 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine_shim.backend import BackendInfo, Reservation, SendResult
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
+from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, check_layout
+from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane, load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl_sender import WriteTimes, write_kv
+from engine_shim.backends.embedded.kv_plane.peers import PeerAllowList
+from engine_shim.backends.embedded.kv_plane.receiver import HoldListener, KVTransferServicer
+from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable
+from engine_shim.backends.embedded.kv_plane.sender import PeerChannels, push_kv
+from engine_shim.backends.embedded.kv_plane.shm import (
+    SegmentMaps,
+    StageWindow,
+    StagingPool,
+    host_identity,
+)
 from engine_shim.engine.api import (
     EngineStatus,
     GenerateOutput,
@@ -23,14 +37,6 @@ from engine_shim.engine.api import (
     UnavailableError,
 )
 from engine_shim.engine.config import EngineConfig
-from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_codec import bytes_per_token
-from engine_shim.kv_nixl import NixlPlane, load_nixl
-from engine_shim.kv_nixl_sender import WriteTimes, write_kv
-from engine_shim.kv_peers import PeerAllowList
-from engine_shim.kv_receiver import HoldListener, KVTransferServicer, ReceiveTable, check_layout
-from engine_shim.kv_sender import PeerChannels, push_kv
-from engine_shim.kv_shm import SegmentMaps, StageWindow, StagingPool, host_identity
 from engine_shim.settings import ShimSettings, core_in_own_process
 
 if TYPE_CHECKING:

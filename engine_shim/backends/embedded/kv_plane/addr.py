@@ -1,9 +1,9 @@
 """The embedded backend's `kv_addr_info`: self-describing JSON bytes that tell a sender where
 to push KV (the receiver's data-plane address), which reservation it fills (request id and a
 random token), which slots (MLC-style segments), what KV layout the receiver expects and,
-when it can take the KV through shared memory, which segment (engine_shim/kv_shm.py), and
+when it can take the KV through shared memory, which segment (shm.py), and
 when a transfer engine may write its pool directly, the agent and pool regions to write
-(engine_shim/kv_nixl.py). Opaque to the router, which passes it through unchanged."""
+(nixl.py). Opaque to the router, which passes it through unchanged."""
 
 from __future__ import annotations
 

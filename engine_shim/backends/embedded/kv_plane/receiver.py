@@ -1,149 +1,40 @@
-"""The receiving side of the KV data plane: the reservations PrepRecv opened (each guarded by
-a random token, optionally with a shared-memory stage) and the KVTransfer servicer that
-checks a push's layout and window and writes its chunks into the engine, from the message
-bytes or, for a chunk that carries none, from the stage. A push that breaks off aborts its
-reservation."""
+"""The receiving side of the KV data plane: the KVTransfer servicer that checks a push's
+layout and window against its reservation (reservations.py) and writes its chunks into the
+engine, from the message bytes or, for a chunk that carries none, from the reservation's
+shared-memory stage. A push that breaks off aborts its reservation."""
 
 from __future__ import annotations
 
 import asyncio
-import secrets
-import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
-from engine_shim.convert import layout_from_pb
-from engine_shim.engine.api import (
-    AlreadyExistsError,
-    FailedPreconditionError,
-    InvalidRequestError,
-    KVChunk,
-    KVLayout,
-    NotFoundError,
-)
-from engine_shim.errors import map_errors
-from engine_shim.kv_codec import (
+from engine_shim.backends.embedded.kv_plane.codec import (
     bytes_per_token,
+    check_layout,
     chunk_from_bytes,
     decode_chunk_request,
 )
-from engine_shim.kv_hold import serve_hold
-from engine_shim.kv_shm import StagingPool, StagingSegment, staged_slice
+from engine_shim.backends.embedded.kv_plane.hold import serve_hold
+from engine_shim.backends.embedded.kv_plane.nixl_receiver import KVWriteSink, receive_write
+from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable, Ticket
+from engine_shim.backends.embedded.kv_plane.shm import staged_slice
+from engine_shim.convert import layout_from_pb
+from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout
+from engine_shim.errors import map_errors
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 if TYPE_CHECKING:
-    from engine_shim.kv_nixl import NixlPlane
+    from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
 
 # Told when a push begins (True) and ends (False): the shim's request tracker holds its view
 # of the reservation alike.
 HoldListener = Callable[[str, bool], None]
 KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
-
-
-@dataclass
-class Ticket:
-    token: str
-    begin: int  # first position to receive (the receiver's prefix_matched_length)
-    end: int
-    expires_at_s: float
-    staging: StagingSegment | None = None  # the shared-memory stage offered with it, if any
-    is_receiving: bool = False
-    write_digest: str | None = None  # of the NIXL write offer made with it, if any
-    num_holds: int = 0  # open HoldKV calls (kv_hold.py)
-
-    @property
-    def is_held(self) -> bool:
-        """Being filled or held for a sender that is still computing: it does not expire."""
-        return self.is_receiving or self.num_holds > 0
-
-    def is_expired(self, now: float) -> bool:
-        return not self.is_held and self.expires_at_s <= now
-
-
-class ReceiveTable:
-    """Open reservations by request id; expired ones are invisible (the engine's TTL frees
-    their pages). Each may hold a leased shared-memory stage, given back to `staging` when
-    the ticket closes: for reuse after a completed push, retired otherwise."""
-
-    def __init__(self, ttl_s: float, staging: StagingPool | None = None) -> None:
-        self._ttl_s = ttl_s
-        self._staging = staging
-        self._tickets: dict[str, Ticket] = {}
-
-    def open(self, request_id: str, begin: int, end: int, num_kv_bytes: int = 0) -> Ticket:
-        """A new ticket; with a stage for `num_kv_bytes` when shared memory is on and the
-        pool has room."""
-        self._close_expired()
-        self.close(request_id)
-        staging = None
-        if self._staging is not None and num_kv_bytes > 0:
-            staging = self._staging.lease(num_kv_bytes)
-        ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s, staging)
-        self._tickets[request_id] = ticket
-        return ticket
-
-    def claim(self, request_id: str, token: str) -> Ticket:
-        ticket = self._live(request_id, token)
-        if ticket.is_receiving:
-            raise AlreadyExistsError(f"a KV push for {request_id!r} is already in progress")
-        ticket.is_receiving = True  # a ticket being filled does not expire
-        return ticket
-
-    def hold(self, request_id: str, token: str) -> Ticket:
-        """One more holder of the ticket: it does not expire until every holder let go."""
-        ticket = self._live(request_id, token)
-        ticket.num_holds += 1
-        return ticket
-
-    def let_go(self, request_id: str, ticket: Ticket) -> bool:
-        """One holder fewer; True when the ticket is still open and now unheld (its TTL
-        starts again, now)."""
-        ticket.num_holds -= 1
-        if self._tickets.get(request_id) is not ticket or ticket.is_held:
-            return False
-        ticket.expires_at_s = time.monotonic() + self._ttl_s
-        return True
-
-    def _live(self, request_id: str, token: str) -> Ticket:
-        ticket = self._tickets.get(request_id)
-        if ticket is not None and ticket.is_expired(time.monotonic()):
-            self.close(request_id)
-            ticket = None
-        if ticket is None or not secrets.compare_digest(ticket.token, token):
-            raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
-        return ticket
-
-    def finish(self, ticket: Ticket) -> None:
-        """A push into `ticket` completed: its stage can serve another reservation, and its
-        TTL starts again."""
-        ticket.is_receiving = False
-        ticket.expires_at_s = time.monotonic() + self._ttl_s
-        self._give_back(ticket, is_clean=True)
-
-    def close(self, request_id: str) -> None:
-        ticket = self._tickets.pop(request_id, None)
-        if ticket is not None:
-            self._give_back(ticket, is_clean=False)
-
-    def close_all(self) -> None:
-        for request_id in list(self._tickets):
-            self.close(request_id)
-
-    def _close_expired(self) -> None:
-        now = time.monotonic()
-        expired = [r for r, t in self._tickets.items() if t.is_expired(now)]
-        for request_id in expired:
-            self.close(request_id)
-
-    def _give_back(self, ticket: Ticket, is_clean: bool) -> None:
-        staging, ticket.staging = ticket.staging, None
-        if staging is not None and self._staging is not None:
-            self._staging.give_back(staging, is_clean)
 
 
 class KVSink(Protocol):
@@ -157,12 +48,6 @@ class KVSink(Protocol):
     async def hold_reservation(self, request_id: str, is_held: bool) -> None: ...
 
     async def abort(self, request_id: str) -> bool: ...
-
-
-def check_layout(theirs: KVLayout, ours: KVLayout) -> None:
-    if theirs != ours:
-        fields = [name for name in vars(ours) if getattr(theirs, name) != getattr(ours, name)]
-        raise FailedPreconditionError(f"incompatible KV layout: {', '.join(fields)} differ")
 
 
 def _parse_request(raw: bytes) -> engine_pb2.PushKVRequest:
@@ -186,7 +71,7 @@ def _chunk_fields(raw: bytes) -> tuple[int, int, bytes | memoryview]:
 
 class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
     """Receives PushKV streams as the raw bytes of each message (see `add_to_server`), and
-    WriteKV handshakes and HoldKV holds of NIXL writes (kv_nixl_receiver.py, kv_hold.py)."""
+    WriteKV handshakes and HoldKV holds of NIXL writes (nixl_receiver.py, hold.py)."""
 
     def __init__(
         self,
@@ -233,8 +118,6 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
     async def WriteKV(
         self, request: engine_pb2.WriteKVRequest, context: aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.WriteKVResponse]:
-        from engine_shim.kv_nixl_receiver import KVWriteSink, receive_write  # imports this file
-
         sink = cast(KVWriteSink, self._sink)
         async for event in receive_write(request, self._table, self._nixl(), sink, self._hold):
             yield event

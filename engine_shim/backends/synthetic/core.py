@@ -21,6 +21,11 @@ from collections.abc import Callable
 from collections.abc import Sequence as SequenceT
 from typing import Any, cast
 
+from engine_shim.backends.synthetic.device_clock import DeviceClock
+from engine_shim.backends.synthetic.pages import DEFAULT_NUM_PAGES, PagePool
+from engine_shim.backends.synthetic.profile import StepProfile
+from engine_shim.backends.synthetic.tokens import TokenStream
+from engine_shim.backends.synthetic.transfer import TransferOps
 from engine_shim.engine import validation
 from engine_shim.engine.api import (
     AlreadyExistsError,
@@ -37,11 +42,6 @@ from engine_shim.engine.config import MODEL_PRESETS, EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendReady
 from engine_shim.engine.request import Choice, GenerateRequest, add_token, finish_choice, take_delta
 from engine_shim.engine.sequence import SeqKind, SeqStatus, Sequence
-from engine_shim.synthetic.device_clock import DeviceClock
-from engine_shim.synthetic.pages import DEFAULT_NUM_PAGES, PagePool
-from engine_shim.synthetic.profile import StepProfile
-from engine_shim.synthetic.tokens import TokenStream
-from engine_shim.synthetic.transfer import TransferOps
 from microserving.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -1,4 +1,4 @@
-"""BENCHMARK ONLY. The core factory that puts engine_shim/synthetic's SyntheticCore behind
+"""BENCHMARK ONLY. The core factory that puts engine_shim/backends/synthetic's SyntheticCore behind
 mlc-compat's AsyncEngine (`microserving mlc-compat --synthetic`), so `microserving bench
 mlc-relay` measures the HTTP server and what fronts it rather than a CPU-bound tiny model.
 Never use it to test the engine."""
@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, cast
 
-from engine_shim.mlc_compat.settings import MLCCompatSettings
-from engine_shim.synthetic.core import SyntheticCore
-from engine_shim.synthetic.profile import StepProfile
+from engine_shim.backends.synthetic.core import SyntheticCore
+from engine_shim.backends.synthetic.profile import StepProfile
+from engine_shim.mlc_http.settings import MLCCompatSettings
 
 if TYPE_CHECKING:
     from engine_shim.engine.config import EngineConfig

@@ -14,6 +14,12 @@ from dataclasses import dataclass
 import grpc
 from grpc import aio
 
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
+from engine_shim.backends.embedded.kv_plane.codec import (
+    bytes_per_token,
+    encode_chunk_request,
+    split_chunk,
+)
 from engine_shim.convert import layout_to_pb
 from engine_shim.engine.api import (
     EngineError,
@@ -23,8 +29,6 @@ from engine_shim.engine.api import (
     NotFoundError,
     UnavailableError,
 )
-from engine_shim.kv_addr import KVAddrInfo
-from engine_shim.kv_codec import bytes_per_token, encode_chunk_request, split_chunk
 from microserving.transport import FAULT_RECEIVER, TransportSettings, create_channel
 from microserving.v1 import engine_pb2
 
@@ -69,7 +73,7 @@ class PeerChannels:
     """One channel per peer address, reused by every transfer to that peer (PushKV and the
     WriteKV handshake of NIXL writes); at most `max_channels`, the least recently used closed
     first (peers come and go with the deployment). Requests go out as pre-encoded protobuf
-    bytes (kv_codec.encode_chunk_request)."""
+    bytes (kv_plane.codec.encode_chunk_request)."""
 
     def __init__(self, transport: TransportSettings, max_channels: int = 64) -> None:
         self._transport = transport
@@ -113,7 +117,7 @@ class PeerChannels:
         return peer.write
 
     def hold_stub(self, address: str) -> aio.UnaryStreamMultiCallable:
-        """KVTransfer.HoldKV of the peer (kv_hold.py)."""
+        """KVTransfer.HoldKV of the peer (hold.py)."""
         peer = self._peer(address)
         if peer.hold is None:
             peer.hold = peer.channel.unary_stream(
@@ -176,7 +180,7 @@ async def push_kv(
 ) -> tuple[int, int]:
     """Stream `chunks` into the reservation `addr` names; returns (tokens, bytes) written.
     `is_staged`: the chunks were exported into the receiver's shared-memory stage, so their
-    messages carry windows only (kv_shm.py)."""
+    messages carry windows only (shm.py)."""
     progress = _Progress()
     stub = peers.stub(addr.address)
     messages = _messages(addr, chunks, max_payload_bytes, is_staged, progress)
