@@ -1,5 +1,7 @@
-"""Checks on every public engine call, run before any state changes. Windows follow MLC's
-semantics: Python-style negative indices, so end=-1 means len(prompt) - 1."""
+"""Checks on every public engine call, run before any state changes, and the one source of
+MLC's window and sampling rules (the shim's own checks, engine_shim/validation.py, use these).
+Windows follow MLC's semantics: Python-style negative indices, so end=-1 means
+len(prompt) - 1."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from .api import InvalidRequestError, SamplingParams
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
+MAX_CACHE_SALT_CHARS = 256
 
 
 def check_request_id(request_id: object) -> str:
@@ -38,32 +41,31 @@ def normalize_index(index: int, length: int, name: str) -> int:
 
 
 def check_prep_recv_end(end: int, length: int) -> int:
+    """MLC: 0 <= end < len(prompt) after normalisation."""
     e = normalize_index(end, length, "end")
     if not 0 <= e < length:
-        raise InvalidRequestError(f"prep_recv needs 0 <= end < len(prompt)={length}, got end={end}")
+        raise InvalidRequestError(f"end={end} outside [0, {length}) for a prompt of {length}")
     return e
 
 
 def check_remote_send_window(begin: int, end: int, length: int) -> tuple[int, int]:
+    """MLC: 0 <= begin < end < len(prompt) after normalisation."""
     b = normalize_index(begin, length, "begin")
     e = normalize_index(end, length, "end")
     if not 0 <= b < e < length:
         raise InvalidRequestError(
-            f"remote_send needs 0 <= begin < end < len(prompt)={length}, got [{begin}, {end})"
+            f"window [begin={begin}, end={end}) invalid for a prompt of {length}: "
+            "need 0 <= begin < end < len(prompt)"
         )
     return b, e
 
 
 def check_start_generate_begin(begin: int, length: int) -> int:
+    """MLC: 0 <= begin < len(prompt) after normalisation."""
     b = normalize_index(begin, length, "begin")
     if not 0 <= b < length:
-        raise InvalidRequestError(
-            f"start_generate needs 0 <= begin < len(prompt)={length}, got begin={begin}"
-        )
+        raise InvalidRequestError(f"begin={begin} outside [0, {length})")
     return b
-
-
-MAX_CACHE_SALT_CHARS = 256
 
 
 def check_cache_salt(salt: str) -> str:
@@ -79,56 +81,62 @@ def check_sampling(
     if not isinstance(params, SamplingParams):
         raise InvalidRequestError("sampling must be a SamplingParams")
     check_cache_salt(params.cache_salt)
-    _check_finite(params.temperature, "temperature")
-    if params.temperature < 0:
-        raise InvalidRequestError("temperature must be >= 0")
-    _check_finite(params.top_p, "top_p")
-    if not 0 < params.top_p <= 1:
-        raise InvalidRequestError("top_p must be in (0, 1]")
-    if params.top_k < 0:
-        raise InvalidRequestError("top_k must be >= 0 (0 disables it)")
-    if params.n < 1:
-        raise InvalidRequestError("n must be >= 1")
+    check_sampling_values(params, vocab_size)
+    return check_context_length(num_prompt_tokens, params.max_tokens, max_context_length)
+
+
+def check_sampling_values(params: SamplingParams, vocab_size: int) -> None:
+    """MLC's ranges for each sampling value (OpenAI's where MLC follows them)."""
+    _check_range("temperature", params.temperature, 0.0, math.inf, low_open=False)
+    _check_range("top_p", params.top_p, 0.0, 1.0, low_open=True)
     for name in ("frequency_penalty", "presence_penalty"):
-        value = getattr(params, name)
-        _check_finite(value, name)
-        if not -MAX_PENALTY <= value <= MAX_PENALTY:
-            raise InvalidRequestError(f"{name} must be in [-2, 2]")
-    for token, bias in params.logit_bias.items():
-        if not isinstance(token, int) or not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"logit_bias token {token} outside the vocabulary")
-        _check_finite(bias, "logit_bias")
-        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise InvalidRequestError("logit_bias values must be in [-100, 100]")
+        _check_range(name, getattr(params, name), -MAX_PENALTY, MAX_PENALTY, low_open=False)
+    if params.top_k < 0:
+        raise InvalidRequestError(f"top_k must be >= 0, got {params.top_k}")
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise InvalidRequestError(f"max_tokens must be >= 1, got {params.max_tokens}")
+    if params.n < 1:
+        raise InvalidRequestError(f"n must be >= 1, got {params.n}")
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
         raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
-    for token in params.stop_token_ids:
-        if not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"stop token id {token} outside the vocabulary")
-    if any(not isinstance(s, str) or not s for s in params.stop):
-        raise InvalidRequestError("stop strings must be non-empty strings")
-    return _check_length(params, max_context_length, num_prompt_tokens)
+    _check_stops(params, vocab_size)
+    _check_logit_bias(params, vocab_size)
 
 
-def _check_length(params: SamplingParams, max_context_length: int, num_prompt_tokens: int) -> int:
+def check_context_length(
+    num_prompt_tokens: int, max_tokens: int | None, max_context_length: int
+) -> int:
+    """The prompt and `max_tokens` fit the context; returns the effective max_tokens (the
+    room left when it is None)."""
     room = max_context_length - num_prompt_tokens
-    if room < 1:
+    if room < 1 or (max_tokens is not None and max_tokens > room):
         raise InvalidRequestError(
-            f"prompt of {num_prompt_tokens} tokens leaves no room in the context of "
-            f"{max_context_length}"
+            f"prompt ({num_prompt_tokens}) + max_tokens ({max_tokens or 0}) exceeds "
+            f"the context length {max_context_length}"
         )
-    if params.max_tokens is None:
-        return room
-    if params.max_tokens < 1:
-        raise InvalidRequestError("max_tokens must be >= 1")
-    if params.max_tokens > room:
-        raise InvalidRequestError(
-            f"prompt ({num_prompt_tokens}) + max_tokens ({params.max_tokens}) exceeds the "
-            f"context length {max_context_length}"
-        )
-    return params.max_tokens
+    return room if max_tokens is None else max_tokens
 
 
-def _check_finite(value: float, name: str) -> None:
+def _check_range(name: str, value: float, low: float, high: float, *, low_open: bool) -> None:
+    # Not finite: NaN passes every comparison, and MLC's sampler cannot use an infinity.
     if not isinstance(value, int | float) or not math.isfinite(value):
         raise InvalidRequestError(f"{name} must be a finite number")
+    below = value <= low if low_open else value < low
+    if below or value > high:
+        bracket = "(" if low_open else "["
+        raise InvalidRequestError(f"{name} must be in {bracket}{low}, {high}], got {value}")
+
+
+def _check_stops(params: SamplingParams, vocab_size: int) -> None:
+    if any(not 0 <= t < vocab_size for t in params.stop_token_ids):
+        raise InvalidRequestError("stop token id outside the vocabulary")
+    if any(not isinstance(s, str) or not s for s in params.stop):
+        raise InvalidRequestError("stop strings must be non-empty strings")
+
+
+def _check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+    for token_id, bias in params.logit_bias.items():
+        if not isinstance(token_id, int) or not 0 <= token_id < vocab_size:
+            raise InvalidRequestError(f"logit_bias token id {token_id} outside the vocabulary")
+        if not isinstance(bias, int | float) or math.isnan(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias}")
