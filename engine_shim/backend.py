@@ -7,7 +7,13 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from grpc import aio
+
 from engine_shim.engine.api import EngineStatus, GenerateOutput, KVLayout, SamplingParams
+
+# Told when a KV push into a reservation begins (True) and ends (False): the shim's request
+# tracker holds its view of the reservation alike.
+HoldListener = Callable[[str, bool], None]
 
 
 @dataclass(frozen=True)
@@ -37,6 +43,13 @@ class SendResult:
     num_tokens_sent: int
     num_bytes_sent: int
     num_cached_tokens: int
+
+
+class KVTransferService(Protocol):
+    """A backend's shim-to-shim KV data plane (`microserving.v1.KVTransfer`), served on the
+    shim's gRPC server beside the Engine service."""
+
+    def add_to_server(self, server: aio.Server) -> None: ...
 
 
 class Backend(Protocol):
@@ -84,6 +97,11 @@ class Backend(Protocol):
     async def abort(self, request_id: str) -> bool: ...
 
     async def status(self) -> EngineStatus: ...
+
+    def kv_transfer_servicer(self, on_hold: HoldListener | None = None) -> KVTransferService | None:
+        """The KV data plane this backend receives on, or None when KV reaches its engine
+        another way (MLC's engines move it themselves)."""
+        ...
 
     def tell_peers(self, addresses: Sequence[str]) -> None:
         """The engines a router has registered (GetStatusRequest.kv_peers): where KV may go."""

@@ -12,7 +12,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
 from engine_shim.backend import Backend
-from engine_shim.backends.embedded.kv_plane.receiver import KV_TRANSFER_SERVICE
 from engine_shim.metrics import ShimMetrics
 from engine_shim.requests import RequestTracker
 from engine_shim.servicer import EngineServicer
@@ -25,6 +24,7 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc
 logger = logging.getLogger(__name__)
 
 ENGINE_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["Engine"].full_name
+KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
 def make_backend(settings: ShimSettings) -> Backend:
@@ -69,9 +69,9 @@ class ShimServer:
     def _build(self) -> aio.Server:
         server = create_server(self.settings.transport())
         engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, server)
-        kv_servicer = getattr(self.backend, "kv_transfer_servicer", None)
+        kv_servicer = self.backend.kv_transfer_servicer(on_hold=self.servicer.hold_reservation)
         if kv_servicer is not None:
-            kv_servicer(on_hold=self.servicer.hold_reservation).add_to_server(server)
+            kv_servicer.add_to_server(server)
             self._service_names.append(KV_TRANSFER_SERVICE)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
         names = [

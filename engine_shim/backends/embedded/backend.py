@@ -12,13 +12,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
-from engine_shim.backend import BackendInfo, Reservation, SendResult
+from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
 from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, check_layout
 from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane, load_nixl
 from engine_shim.backends.embedded.kv_plane.nixl_sender import WriteTimes, write_kv
 from engine_shim.backends.embedded.kv_plane.peers import PeerAllowList
-from engine_shim.backends.embedded.kv_plane.receiver import HoldListener, KVTransferServicer
+from engine_shim.backends.embedded.kv_plane.receiver import KVTransferServicer
 from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable
 from engine_shim.backends.embedded.kv_plane.sender import PeerChannels, push_kv
 from engine_shim.backends.embedded.kv_plane.shm import (

@@ -21,7 +21,13 @@ from typing import Any
 
 import aiohttp
 
-from engine_shim.backend import BackendInfo, Reservation, SendResult
+from engine_shim.backend import (
+    BackendInfo,
+    HoldListener,
+    KVTransferService,
+    Reservation,
+    SendResult,
+)
 from engine_shim.backends.mlc import protocol
 from engine_shim.backends.mlc.launcher import MLCProcess
 from engine_shim.backends.mlc.sse import sse_json
@@ -247,6 +253,11 @@ class MLCBackend:
         """MLC's server is checked call by call (its errors map to UNAVAILABLE)."""
         await asyncio.Event().wait()
         raise AssertionError("unreachable")
+
+    def kv_transfer_servicer(self, on_hold: HoldListener | None = None) -> KVTransferService | None:
+        """None: MLC's engines move KV between themselves; no KV reaches this shim."""
+        del on_hold
+        return None
 
     def tell_peers(self, addresses: Sequence[str]) -> None:
         """MLC moves KV itself (NVSHMEM, within its own deployment): nothing to keep."""

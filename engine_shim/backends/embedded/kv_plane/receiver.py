@@ -13,6 +13,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from grpc import aio
 
+from engine_shim.backend import HoldListener
 from engine_shim.backends.embedded.kv_plane.codec import (
     bytes_per_token,
     check_layout,
@@ -31,9 +32,6 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc
 if TYPE_CHECKING:
     from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
 
-# Told when a push begins (True) and ends (False): the shim's request tracker holds its view
-# of the reservation alike.
-HoldListener = Callable[[str, bool], None]
 KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
 
