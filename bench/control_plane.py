@@ -33,11 +33,12 @@ from bench.loadgen.results import machine_info
 from bench.loadgen.stats import describe
 from bench.procs import ServiceGroup, service_group
 from bench.stream_clients import DirectFlow, run_direct, run_router
+from microserving.pattern_names import PATTERN_NAMES
 from microserving.stack.process import ServiceProcess
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2_grpc, router_pb2_grpc
 
-PATTERNS = ("round-robin", "disagg", "adaptive-disagg")
+PATTERNS = PATTERN_NAMES  # every pattern the router has
 
 
 @dataclass(frozen=True)

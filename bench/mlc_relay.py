@@ -35,7 +35,7 @@ from bench.capacity.report import fold_rounds
 from bench.loadgen.results import machine_info
 from bench.mlc_relay_load import direct_load, mlc_body, relay_load, round_trips
 from bench.mlc_relay_report import compare_rows, table
-from bench.mlc_relay_stack import RelayStack, start_relay_stack
+from bench.mlc_relay_stack import ROLES, RelayStack, start_relay_stack
 from bench.procs import service_group
 from engine_shim.backends.synthetic.profile import (
     DEFAULT_PREFILL_TOK_S,
@@ -43,7 +43,7 @@ from engine_shim.backends.synthetic.profile import (
     StepProfile,
 )
 
-PATTERNS = ("round-robin", "disagg")
+PATTERNS = tuple(ROLES)
 _SETTLE_S = 1.0  # after a timed cell cuts its streams off, let the engines abort them
 
 

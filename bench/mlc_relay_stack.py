@@ -11,10 +11,12 @@ from bench.capacity.stack import Stack, StackProcess, engine_tid
 from bench.control_plane_run import wait_grpc_serving, wait_http_ready
 from bench.mlc_relay_load import DisaggEngines
 from bench.procs import ServiceGroup
+from microserving.pattern_names import PatternName
 from microserving.stack.process import ServiceProcess
 
 # Engines in --engine order, so the decode engine's device id start (recv_rank) is 1 in disagg.
-ROLES = {"round-robin": ("both",), "disagg": ("prefill", "decode")}
+# The patterns MLC's own router has too, each with its engines' roles.
+ROLES: dict[PatternName, tuple[str, ...]] = {"round-robin": ("both",), "disagg": ("prefill", "decode")}
 _STARTUP_TIMEOUT_S = 120.0
 
 
@@ -69,7 +71,7 @@ async def _start_engine(group: ServiceGroup, name: str, args: list[str]) -> tupl
     return service, url
 
 
-async def start_relay_stack(group: ServiceGroup, pattern: str, step_ms: str, prefill_tok_s: float,
+async def start_relay_stack(group: ServiceGroup, pattern: PatternName, step_ms: str, prefill_tok_s: float,
                             max_num_seqs: int, shim_args: tuple[str, ...]) -> RelayStack:
     engines: dict[str, StackProcess] = {}
     urls: dict[str, str] = {}

@@ -90,8 +90,7 @@ class Backend(Protocol):
     ) -> None:
         """`generate` with each output handed to `on_output` as it comes (the multiplexed
         Engine.Generate path); returns once the request finished, raises when it failed.
-        Cancelling it aborts the request. `drain_generate` implements it over `generate` for
-        a backend without a faster way."""
+        Cancelling it aborts the request."""
         ...
 
     async def abort(self, request_id: str) -> bool: ...
@@ -111,13 +110,3 @@ class Backend(Protocol):
         (an engine core process that died); never returns for a backend that cannot tell."""
         ...
 
-
-async def drain_generate(
-    outputs: AsyncIterator[GenerateOutput], on_output: Callable[[GenerateOutput], None]
-) -> None:
-    """Backend.run_generate over a backend's own `generate` stream."""
-    try:
-        async for output in outputs:
-            on_output(output)
-    finally:
-        await outputs.aclose()  # type: ignore[attr-defined]  # aborts an unfinished request

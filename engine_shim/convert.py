@@ -52,29 +52,6 @@ def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
     )
 
 
-def sampling_to_pb(sampling: SamplingParams) -> common_pb2.SamplingParams:
-    pb = common_pb2.SamplingParams(
-        temperature=sampling.temperature,
-        top_p=sampling.top_p,
-        top_k=sampling.top_k,
-        stop=list(sampling.stop),
-        stop_token_ids=list(sampling.stop_token_ids),
-        n=sampling.n,
-        frequency_penalty=sampling.frequency_penalty,
-        presence_penalty=sampling.presence_penalty,
-        logit_bias=sampling.logit_bias,
-        logprobs=sampling.logprobs,
-        top_logprobs=sampling.top_logprobs,
-        ignore_eos=sampling.ignore_eos,
-        cache_salt=sampling.cache_salt,
-    )
-    if sampling.max_tokens is not None:
-        pb.max_tokens = sampling.max_tokens
-    if sampling.seed is not None:
-        pb.seed = sampling.seed
-    return pb
-
-
 def _logprob_to_pb(logprob: TokenLogprob) -> common_pb2.TokenLogprob:
     return common_pb2.TokenLogprob(
         token_id=logprob.token_id,

@@ -3,38 +3,22 @@ the microserving window fields), as pydantic models and builders."""
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, model_validator
-
 from engine_shim.engine.api import Delta, InvalidRequestError, SamplingParams, Usage
 from engine_shim.token_bytes import TokenBytes
+from microserving.lenient_model import LenientModel
 from microserving.token_bytes import TextOffsets, display_token
-
-logger = logging.getLogger(__name__)
 
 MAX_COMPLETION_LOGPROBS = 5  # MLC's (and OpenAI's) limit for /v1/completions
 
 
-class _Lenient(BaseModel):
-    """Accepts unknown fields, as MLC does, but logs which were ignored."""
-
-    model_config = ConfigDict(extra="allow")
-
-    @model_validator(mode="after")
-    def _log_ignored(self) -> _Lenient:
-        if self.model_extra:
-            logger.info("ignored fields in %s: %s", type(self).__name__, sorted(self.model_extra))
-        return self
-
-
-class StreamOptions(_Lenient):
+class StreamOptions(LenientModel):
     include_usage: bool | None = False
 
 
-class DebugConfig(_Lenient):
+class DebugConfig(LenientModel):
     """MLC's debug_config. MLC's router always sends every field (`model_dump()`); the ones
     this engine cannot honour are refused when set, never ignored."""
 
@@ -57,7 +41,7 @@ class DebugConfig(_Lenient):
             )
 
 
-class CompletionRequest(_Lenient):
+class CompletionRequest(LenientModel):
     model: str | None = None
     prompt: str | list[int]
     best_of: int = 1
