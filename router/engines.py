@@ -102,6 +102,7 @@ class Engines:
             self.registry.add(parsed.address, parsed.roles, num_gpus=gpus)
         self.registry.add_listener(self._on_health_change)
         self._streams: dict[str, EngineStream] = {}
+        self._detached_aborts: set[asyncio.Task[None]] = set()  # kept referenced until they end
 
     async def stop(self) -> None:
         await asyncio.gather(*(s.close() for s in self._streams.values()))
@@ -176,3 +177,18 @@ class Engines:
 
     async def abort_touched(self, attempt: Attempt) -> None:
         await self.abort(attempt.engine_request_id, list(attempt.touched))
+
+    async def abort_attempt(self, attempt: Attempt, faulty: str | None = None) -> None:
+        """Abort on every engine an attempt that did not finish cleanly touched; shielded
+        so a second cancel cannot skip the cleanup.
+
+        The Abort to a `faulty` engine (dead or stalled) runs detached: a stalled engine would
+        hold the retry for the whole Abort deadline, and it is out of rotation anyway."""
+        request_id = attempt.engine_request_id
+        rest = [a for a in attempt.touched if a != faulty]
+        if faulty is not None and faulty in attempt.touched:
+            task = asyncio.get_running_loop().create_task(self.abort(request_id, [faulty]))
+            self._detached_aborts.add(task)
+            task.add_done_callback(self._detached_aborts.discard)
+        if rest:
+            await asyncio.shield(self.abort(request_id, rest))
