@@ -135,8 +135,9 @@ class AsyncEngine:
         own_process: bool = False,
     ) -> None:
         """`core_factory` builds the core where it runs; only the benchmark-only synthetic
-        backend passes one (engine_shim/synthetic), to drive this same path. `own_process`:
-        the core runs in a process of its own (core_process.py) instead of a thread."""
+        backend passes one (engine_shim/backends/synthetic), to drive this same path.
+        `own_process`: the core runs in a process of its own (core_process.py) instead of a
+        thread."""
         self.config = config
         self._driver: _ThreadDriver | ProcessDriver = (
             ProcessDriver(config, core_factory) if own_process
@@ -395,8 +396,8 @@ class AsyncEngine:
             out = None if export_into is None else export_into(begin, num_tokens)
             chunk: KVChunk = await self._call("export_chunk", request_id, begin, num_tokens, is_last, out)
             return chunk
-        # The core writes the window itself (export_into pickles: kv_shm.StageWindow); only
-        # the chunk's place comes back, not its bytes.
+        # The core writes the window itself (export_into pickles: kv_plane/shm.StageWindow);
+        # only the chunk's place comes back, not its bytes.
         return await self._call(
             "export_chunk", request_id, begin, num_tokens, is_last, None, export_into
         )
