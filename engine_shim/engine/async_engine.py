@@ -30,7 +30,19 @@ from .api import (
     UnavailableError,
 )
 from .config import EngineConfig
-from .core_loop import EVENTS, FAILED, RESULT, STOP, Call, CoreFacts, CoreLoop, Emit, core_facts
+from .core_loop import (
+    EVENTS,
+    FAILED,
+    RESULT,
+    SIDE,
+    STOP,
+    Call,
+    CoreFacts,
+    CoreLoop,
+    Emit,
+    SideFactory,
+    core_facts,
+)
 from .core_process import ProcessDriver
 from .disaggregation import EngineEvent, SendFailed, SendReady
 from .llm_engine import LLMEngine
@@ -133,16 +145,21 @@ class AsyncEngine:
         core_factory: Callable[[EngineConfig], LLMEngine] | None = None,
         *,
         own_process: bool = False,
+        side_factory: SideFactory | None = None,
     ) -> None:
         """`core_factory` builds the core where it runs; only the benchmark-only synthetic
         backend passes one (engine_shim/backends/synthetic), to drive this same path.
         `own_process`: the core runs in a process of its own (core_process.py) instead of a
-        thread."""
+        thread. `side_factory` (a process core only): work the core's process runs beside it
+        (core_loop.Side), reached with call_side/submit_side, its reports to `on_side_events`."""
+        if side_factory is not None and not own_process:
+            raise ValueError("a side runs only beside a core in its own process")
         self.config = config
         self._driver: _ThreadDriver | ProcessDriver = (
-            ProcessDriver(config, core_factory) if own_process
+            ProcessDriver(config, core_factory, side_factory) if own_process
             else _ThreadDriver(config, core_factory)
         )
+        self.on_side_events: Callable[[list[Any]], None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._facts: CoreFacts | None = None
         self._tokenizer: Tokenizer | None = None
@@ -415,6 +432,14 @@ class AsyncEngine:
         if streams.get(request_id) is stream:
             del streams[request_id]
 
+    async def call_side(self, op: str, *args: Any) -> Any:
+        """An op of the core's side (see side_factory), its result awaited."""
+        return await self._call(op, *args)
+
+    def submit_side(self, op: str, *args: Any) -> None:
+        """An op of the core's side, nobody waiting for its result (it runs in order)."""
+        self._submit_nowait(op, *args)
+
     async def _call(self, op: str, *args: Any) -> Any:
         if self._loop is None or self._is_stopping:
             raise UnavailableError("engine is not running")
@@ -454,6 +479,8 @@ class AsyncEngine:
                     _settle(future, value, error)
             elif kind == FAILED:
                 self._fail_requests(entry[1])
+            elif kind == SIDE and self.on_side_events is not None:
+                self.on_side_events(entry[1])
 
     def _dispatch_all(self, events: list[EngineEvent]) -> None:
         """Each event of one step to its stream, in order."""

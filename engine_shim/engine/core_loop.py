@@ -27,12 +27,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0  # longest idle sleep; calls wake the loop at once anyway
+_SIDE_POLL_S = 0.0005  # while the side has work, the loop polls it at least this often
 STOP = "stop"  # put in the inbox to end the loop
 
 # Kinds of the entries of an emitted batch.
 RESULT = 0  # (RESULT, call_id, value, error): a call's outcome
 EVENTS = 1  # (EVENTS, events): one step's outputs and send notifications, in order
 FAILED = 2  # (FAILED, error): a step failed; every request in flight is to be failed
+SIDE = 3  # (SIDE, events): what the side (e.g. a KV transfer agent) reported, in order
 
 # The core's methods a call may name (plus export_chunk below); nothing else is callable.
 OPS = frozenset({
@@ -59,6 +61,7 @@ class CoreFacts:
     status: EngineStatus
     engine_tid: int  # the loop's thread id in the OS (/proc/TID/task/TID)
     kv_pool: torch.Tensor | None  # the KV pool, shared with the host (None: synthetic core)
+    side: object = None  # what the loop's side reports of itself (Side.facts)
 
 
 Emit = Callable[[list[tuple[Any, ...]], EngineStatus], None]
@@ -69,6 +72,30 @@ class Inbox(Protocol):
         """The next call or STOP; waits up to `timeout` (None: do not wait) and raises
         queue.Empty when there is none."""
         ...
+
+
+class Side(Protocol):
+    """Work that must run in the core's thread beside the engine, outside its steps: a KV
+    transfer agent that can only reach the pool from the process holding it (nixl_core.py).
+    Its ops are called like the core's; `poll` runs every loop turn while it `is_busy`."""
+
+    ops: frozenset[str]
+
+    @property
+    def is_busy(self) -> bool: ...
+
+    def call(self, op: str, args: tuple[Any, ...]) -> object: ...
+
+    def poll(self) -> list[Any]: ...
+
+    def facts(self) -> object: ...
+
+    def close(self) -> None: ...
+
+
+# Builds a loop's side beside its core, in the core's process (picklable: a module-level
+# function, or a functools.partial of one).
+SideFactory = Callable[["LLMEngine"], Side]
 
 
 def core_facts(core: LLMEngine) -> CoreFacts:
@@ -84,7 +111,9 @@ def core_facts(core: LLMEngine) -> CoreFacts:
     )
 
 
-def run_op(core: LLMEngine, call: Call) -> object:
+def run_op(core: LLMEngine, call: Call, side: Side | None = None) -> object:
+    if side is not None and call.op in side.ops:
+        return side.call(call.op, call.args)
     if call.op == "export_chunk":
         return export_chunk(core, *call.args)
     if call.op == "import_kv":
@@ -121,10 +150,11 @@ def export_chunk(
 
 
 class CoreLoop:
-    def __init__(self, core: LLMEngine, inbox: Inbox, emit: Emit) -> None:
+    def __init__(self, core: LLMEngine, inbox: Inbox, emit: Emit, side: Side | None = None) -> None:
         self._core = core
         self._inbox = inbox
         self._emit = emit
+        self._side = side
         self._out: list[tuple[Any, ...]] = []
 
     def run(self) -> None:
@@ -137,12 +167,15 @@ class CoreLoop:
     def _run_calls(self, block: bool) -> bool:
         core = self._core
         timeout = self._idle_timeout() if block else None
+        idle_ends = None if timeout is None else time.monotonic() + timeout
+        if timeout is not None and self._side is not None and self._side.is_busy:
+            timeout = min(timeout, _SIDE_POLL_S)  # wake to poll the side meanwhile
         try:
             while True:
                 try:
                     item = self._inbox.get(timeout)
                 except queue.Empty:
-                    if block:
+                    if idle_ends is not None and time.monotonic() >= idle_ends - 0.001:
                         core.reap_expired_reservations()  # and fences past their end
                         self._out.append((EVENTS, []))  # what they freed shows in GetStatus
                     return True
@@ -164,7 +197,7 @@ class CoreLoop:
         value: object = None
         error: BaseException | None = None
         try:
-            value = run_op(self._core, call)
+            value = run_op(self._core, call, self._side)
         except EngineError as exc:
             error = exc
         except Exception as exc:
@@ -187,6 +220,15 @@ class CoreLoop:
         self._flush()
 
     def _flush(self) -> None:
+        side = self._side
+        if side is not None and side.is_busy:
+            try:
+                events = side.poll()
+            except Exception as exc:  # noqa: BLE001 - the side's own failure, not the engine's
+                logger.exception("polling the core's side failed")
+                events = [("failed", f"{type(exc).__name__}: {exc}")]
+            if events:
+                self._out.append((SIDE, events))
         if self._out:
             out, self._out = self._out, []
             self._emit(out, self._core.status())  # the status travels with what changed it

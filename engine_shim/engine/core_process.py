@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import queue
@@ -24,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
 
 from .api import UnavailableError
-from .core_loop import STOP, Call, CoreFacts, CoreLoop, Emit, core_facts
+from .core_loop import STOP, Call, CoreFacts, CoreLoop, Emit, Side, SideFactory, core_facts
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -47,10 +48,14 @@ class ProcessDriver:
     of a thread's queue."""
 
     def __init__(
-        self, config: EngineConfig, core_factory: Callable[[EngineConfig], LLMEngine] | None
+        self,
+        config: EngineConfig,
+        core_factory: Callable[[EngineConfig], LLMEngine] | None,
+        side_factory: SideFactory | None = None,
     ) -> None:
         self._config = config
         self._core_factory = core_factory  # picklable: a class or a module-level function
+        self._side_factory = side_factory  # likewise; builds the loop's side in the child
         self._conn: Connection | None = None
         self._process: BaseProcess | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -69,7 +74,8 @@ class ProcessDriver:
         parent, child = ctx.Pipe(duplex=True)
         process = ctx.Process(
             target=_child_main,
-            args=(self._config, self._core_factory, child, logging.getLogger().level),
+            args=(self._config, self._core_factory, child, logging.getLogger().level,
+                  self._side_factory),
             name="engine-core",
             daemon=True,  # never outlives the shim
         )
@@ -203,6 +209,7 @@ def _child_main(
     core_factory: Callable[[EngineConfig], LLMEngine] | None,
     conn: Connection,
     log_level: int,
+    side_factory: SideFactory | None = None,
 ) -> None:
     # The shim stops its core (a STOP call, or EOF when the shim dies): a signal to the whole
     # process group (a supervisor's SIGTERM, Ctrl-C) must not end the core before the shim
@@ -211,9 +218,12 @@ def _child_main(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     sys.setswitchinterval(_CORE_SWITCH_INTERVAL_S)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s engine-core %(name)s: %(message)s")
+    side: Side | None = None
     try:
         core = _build_core(config, core_factory)
-        facts = core_facts(core)
+        if side_factory is not None:
+            side = side_factory(core)  # reports its own failure in its facts
+        facts = dataclasses.replace(core_facts(core), side=None if side is None else side.facts())
     except Exception as exc:
         logger.exception("engine failed to start")
         conn.send(("failed", UnavailableError(f"engine failed to start: {exc}")))
@@ -221,8 +231,10 @@ def _child_main(
     conn.send(("started", facts))
     writer = _Writer(conn)
     try:
-        CoreLoop(core, _PipeInbox(conn), writer.emit).run()
+        CoreLoop(core, _PipeInbox(conn), writer.emit, side).run()
     finally:
+        if side is not None:
+            side.close()
         writer.close()
         conn.close()
     os._exit(0)  # skip interpreter teardown of CUDA state and worker threads

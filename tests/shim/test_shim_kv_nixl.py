@@ -2,7 +2,9 @@
 where NIXL loads and PD through it matches one shim alone; the receiver refuses a write that
 quotes another offer or layout, completes a reservation only on the claimed agent's
 notification, and fences the pages of a write that breaks off, then frees them; a dead or
-stalled receiver ends RemoteSend with a clear code and the sender's pages come back."""
+stalled receiver ends RemoteSend with a clear code and the sender's pages come back. The
+receiving and sending checks run twice: with the agent in the shim (a core in a thread) and
+in the engine core's own process (`--engine-process on`, nixl_core.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +41,30 @@ from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 NIXL, WHY_NOT = load_nixl()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]
+
+
+@pytest.fixture(scope="module")
+def process_core_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
+    """A prefill and a decode shim whose cores (and NIXL agents) run in processes of their own."""
+    tmp = tmp_path_factory.mktemp("nixl-process")
+    shims = {role: start_shim(tmp, f"{role}-process", "--role", role, "--engine-process", "on")
+             for role in ("prefill", "decode")}
+    yield shims
+    for shim in shims.values():
+        shim.stop()
+
+
+@pytest.fixture(params=["thread", "process"])
+def agent_home(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def _shim(request: pytest.FixtureRequest, home: str, role: str) -> ShimProcess:
+    if home == "thread":
+        return request.getfixturevalue(f"{role}_shim")  # type: ignore[no-any-return]
+    shim: ShimProcess = request.getfixturevalue("process_core_shims")[role]
+    assert "NIXL agent" in shim.log_text() and "in the engine core process" in shim.log_text()
+    return shim
 
 
 async def _reserve(stub, request_id: str, tokens: list[int]) -> dict:
@@ -124,9 +150,12 @@ async def test_a_write_claim_of_another_layout_is_failed_precondition(decode_shi
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-async def test_only_the_claimed_agents_notification_completes_the_reservation(decode_shim):
+async def test_only_the_claimed_agents_notification_completes_the_reservation(
+    request: pytest.FixtureRequest, agent_home: str
+):
     """The test is the sender: two agents of its own load D's metadata; the one not named in
     the claim notifies first and completes nothing, then the claimed one does."""
+    decode_shim = _shim(request, agent_home, "decode")
     claimed = NIXL.nixl_agent(f"test-claimed-{secrets.token_hex(3)}")
     stranger = NIXL.nixl_agent(f"test-stranger-{secrets.token_hex(3)}")
     channel, stub = engine_stub(decode_shim.address)
@@ -152,7 +181,10 @@ async def test_only_the_claimed_agents_notification_completes_the_reservation(de
         assert await wait_for_free_pages(stub, baseline, within_s=5) == baseline
 
 
-async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_them(decode_shim):
+async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_them(
+    request: pytest.FixtureRequest, agent_home: str
+):
+    decode_shim = _shim(request, agent_home, "decode")
     channel, stub = engine_stub(decode_shim.address)
     async with channel:
         baseline = await free_pages(stub)
@@ -186,8 +218,9 @@ def lone_receiver(tmp_path: Path) -> Iterator[ShimProcess]:
 
 
 async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
-    prefill_shim, lone_receiver
+    request: pytest.FixtureRequest, agent_home: str, lone_receiver
 ):
+    prefill_shim = _shim(request, agent_home, "prefill")
     d_channel, d_stub = engine_stub(lone_receiver.address)
     p_channel, p_stub = engine_stub(prefill_shim.address)
     async with d_channel, p_channel:

@@ -4,6 +4,7 @@ into engine_shim.engine goes through this file."""
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import os
@@ -13,9 +14,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING
 
 from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult
-from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, check_layout
-from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane, load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane, NixlPlane, load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl_core import CoreNixlPlane, nixl_side
 from engine_shim.backends.embedded.kv_plane.nixl_sender import WriteTimes, write_kv
 from engine_shim.backends.embedded.kv_plane.peers import PeerAllowList
 from engine_shim.backends.embedded.kv_plane.receiver import KVTransferServicer
@@ -89,7 +91,7 @@ class EmbeddedBackend:
         # Shared memory only where a host identity exists (Linux) and the settings allow.
         use_shm = settings.kv_shm and settings.kv_transport in ("auto", "shm")
         self._host = host_identity() if use_shm else None
-        self._nixl: NixlPlane | None = None  # this shim's NIXL agent, made at start
+        self._nixl: KVWritePlane | None = None  # the NIXL agent (here or in the core), made at start
         self._staging = StagingPool(settings.kv_shm_max_mb << 20) if self._host else None
         self._segments = SegmentMaps(self._host) if self._host else None
         self._table = ReceiveTable(settings.reservation_ttl_s, self._staging)
@@ -114,15 +116,18 @@ class EmbeddedBackend:
 
         self._address = advertise_address
         config = engine_config(self._settings)
-        engine = AsyncEngine(
-            config, self._core_factory, own_process=core_in_own_process(self._settings)
-        )
+        own_process = core_in_own_process(self._settings)
+        # A core in its own process keeps the NIXL agent beside its pool (nixl_core.py).
+        side = (functools.partial(nixl_side, loopback=_is_loopback(self._settings.host))
+                if own_process and self._core_factory is None
+                and self._settings.kv_transport in ("auto", "nixl") else None)
+        engine = AsyncEngine(config, self._core_factory, own_process=own_process, side_factory=side)
         await engine.start()
         self._engine = engine
-        self._nixl = _start_nixl(
-            self._settings.kv_transport, engine.kv_pool, self._settings.host,
-            pool_is_mapped=engine.engine_pid is not None,
-        )
+        if side is not None:
+            self._nixl = _core_nixl(self._settings.kv_transport, engine)
+        elif not own_process:
+            self._nixl = _start_nixl(self._settings.kv_transport, engine.kv_pool, self._settings.host)
         self._info = BackendInfo(
             name=self._name,
             model_id=engine.model_id,
@@ -198,7 +203,7 @@ class EmbeddedBackend:
         check_layout(addr.layout, self.engine.kv_layout)
         if addr.begin >= end:  # the receiver already holds the whole window
             return SendResult(0, 0, 0)
-        if self._can_write_nixl(addr):
+        if await self._can_write_nixl(addr):
             return await self._write_nixl(request_id, token_ids, begin, end, addr, sampling)
         stage = self._stage(addr)
         # With a stage, the engine exports each chunk straight into its window of it.
@@ -225,12 +230,12 @@ class EmbeddedBackend:
         )
         return SendResult(num_tokens, num_bytes, 0)
 
-    def _can_write_nixl(self, addr: KVAddrInfo) -> bool:
+    async def _can_write_nixl(self, addr: KVAddrInfo) -> bool:
         """NIXL when both sides have an agent and this one can reach the offered one."""
         if addr.nixl is None or self._nixl is None:
             return False
         try:
-            self._nixl.load_peer(addr.nixl)
+            await self._nixl.load_peer(addr.nixl)
         except UnavailableError as error:
             logger.warning("NIXL to %s unusable (%s); falling back", addr.address, error)
             return False
@@ -314,23 +319,11 @@ class EmbeddedBackend:
         return await self.engine.wait_lost()
 
 
-def _start_nixl(
-    transport: str, pool: torch.Tensor | None, host: str, pool_is_mapped: bool = False
-) -> NixlPlane | None:
-    """The shim's NIXL agent with the pool registered, where the transport setting wants one
-    and NIXL loads; `nixl` insists (a clear start-up error), `auto` falls back with a log.
-    `pool_is_mapped`: the pool lives in an engine core process and is mapped here."""
+def _start_nixl(transport: str, pool: torch.Tensor | None, host: str) -> NixlPlane | None:
+    """The shim's own NIXL agent (a core in a thread) with the pool registered, where the
+    transport setting wants one and NIXL loads; `nixl` insists (a clear start-up error),
+    `auto` falls back with a log."""
     if transport not in ("auto", "nixl") or pool is None:
-        return None
-    if pool_is_mapped and pool.is_cuda:
-        # Measured on an H200 (nixl-cu13 1.5.1): a pool this process holds through CUDA IPC
-        # registers, but every write into a peer's fails NIXL_ERR_NOT_FOUND at
-        # initialize_xfer. Host memory shared from the core process works (CPU tests).
-        reason = ("the KV pool lives in the engine core process (--engine-process on) and "
-                  "NIXL cannot write a CUDA IPC mapping of it; use --engine-process off for NIXL")
-        if transport == "nixl":
-            raise RuntimeError(f"--kv-transport nixl: {reason}")
-        logger.info("KV transport: no NIXL (%s); shared memory or gRPC", reason)
         return None
     if _is_loopback(host):
         # UCX listens on every network device it finds; a shim bound to loopback keeps its
@@ -343,12 +336,29 @@ def _start_nixl(
         except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
             module, reason = None, f"NIXL agent failed to start: {error}"
     if module is None:
-        if transport == "nixl":
-            raise RuntimeError(f"--kv-transport nixl: {reason}")
-        logger.info("KV transport: no NIXL (%s); shared memory or gRPC", reason)
+        _no_nixl(transport, reason)
         return None
     logger.info("KV transport: NIXL agent %s, pool in %s", plane.name, plane.mem_type)
     return plane
+
+
+def _core_nixl(transport: str, engine: AsyncEngine) -> CoreNixlPlane | None:
+    """The NIXL agent the engine core's process started beside its pool, driven from here."""
+    facts: tuple[NixlOffer | None, str] = engine.facts.side  # type: ignore[assignment]  # NixlSide.facts
+    offer, reason = facts
+    if offer is None:
+        _no_nixl(transport, reason)
+        return None
+    logger.info("KV transport: NIXL agent %s in the engine core process, pool in %s",
+                offer.agent, offer.mem_type)
+    return CoreNixlPlane(engine, offer)
+
+
+def _no_nixl(transport: str, reason: str) -> None:
+    if transport == "nixl":
+        raise RuntimeError(f"--kv-transport nixl: {reason}")
+    logger.info("KV transport: no NIXL (%s); shared memory or gRPC", reason)
+    return None
 
 
 def _check_window_fits(request_id: str, begin: int, end: int, addr: KVAddrInfo) -> None:

@@ -9,10 +9,9 @@ channel, has confirmed that offer for this reservation (WriteKV, nixl_sender.py)
 write carries the reservation token as its notification; the receiver completes the
 reservation only on that token from the agent that claimed it.
 
-Every agent call runs on the event loop's thread (the agent is not thread-safe in the mode
-used here, and has no progress thread: see NixlPlane). Transfers and notifications are polled:
-briefly by yielding, then with sleeps that grow to `_MAX_POLL_S`, so an idle shim spends
-nothing and a short transfer is seen within microseconds.
+The agent (NixlAgent) lives in the process that holds the pool: the shim's for a core in a
+thread (NixlPlane, here), the engine core's for a core in a process of its own (nixl_core.py;
+UCX could not write a CUDA IPC mapping of another process's pool).
 """
 
 from __future__ import annotations
@@ -25,7 +24,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -100,15 +99,43 @@ class _Poller:
         await asyncio.sleep(self._sleep_s)
 
 
-class NixlPlane:
-    """One agent per shim process, with the pool registered."""
+class KVWritePlane(Protocol):
+    """What the two sides of a NIXL write (nixl_sender.py, nixl_receiver.py) use of an agent:
+    NixlPlane (the agent in this process) or nixl_core.CoreNixlPlane (in the core's)."""
+
+    name: str
+    region: PoolRegion
+    mem_type: str
+
+    def offer(self) -> NixlOffer: ...
+
+    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]: ...
+
+    def forget(self, tag: bytes) -> None: ...
+
+    async def load_peer(self, offer: NixlOffer) -> str: ...
+
+    def drop_peer(self, agent: str) -> None: ...
+
+    async def write(
+        self, offer: NixlOffer, local_slots: np.ndarray, remote_slots: np.ndarray, tag: bytes,
+        *, deadline: float, should_stop: Callable[[], bool],
+    ) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class NixlAgent:
+    """A NIXL agent with the pool registered: plain calls, no event loop, used from the one
+    thread that owns it (the agent is not thread-safe in the mode used here). It lives where
+    the pool does: in the shim's process for a thread core (NixlPlane), in the engine core's
+    process for a process core (nixl_core.py)."""
 
     def __init__(self, module: Any, pool: torch.Tensor) -> None:
-        self._module = module
         self.name = f"microserving-{os.getpid()}-{secrets.token_hex(4)}"
         # No progress thread: NIXL runs it with no delay between polls, a core spinning per
         # shim once a peer is connected (it starved the engine threads of a 2-core box). UCX
-        # progresses instead in the polls below, which run exactly while a write is pending:
+        # progresses instead in the owner's polls, which run exactly while a write is pending:
         # the sender's on its transfer, the receiver's on its notifications.
         config = module.nixl_agent_config(enable_prog_thread=False, backends=["UCX"])
         self._agent = module.nixl_agent(self.name, config)
@@ -120,8 +147,6 @@ class NixlPlane:
         self._registered = self._agent.register_memory(pool)
         self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
         self._peers: dict[str, str] = {}  # agent name -> metadata loaded for it
-        self._waiting: dict[bytes, tuple[str, asyncio.Future[None]]] = {}
-        self._listener: asyncio.Task[None] | None = None
 
     def offer(self) -> NixlOffer:
         r = self.region
@@ -131,44 +156,11 @@ class NixlPlane:
             plane_bytes=r.plane_bytes, slot_bytes=r.slot_bytes,
         )
 
-    # ---- receiving side: notifications ----
-    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]:
-        """A future set when `sender_agent` notifies `tag` (a write of it has landed)."""
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[tag] = (sender_agent, future)
-        if self._listener is None or self._listener.done():
-            self._listener = asyncio.ensure_future(self._listen())
-        return future
+    def notifications(self) -> list[tuple[str, bytes]]:
+        """(sender agent, tag) of every notification that arrived since the last call."""
+        return [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
+                for tag in tags]
 
-    def forget(self, tag: bytes) -> None:
-        entry = self._waiting.pop(tag, None)
-        if entry is not None and not entry[1].done():
-            entry[1].cancel()
-
-    async def _listen(self) -> None:
-        poller = _Poller()
-        try:
-            while self._waiting:
-                for sender, tags in self._agent.get_new_notifs().items():
-                    for tag in tags:
-                        self._deliver(sender, bytes(tag))
-                    poller = _Poller()
-                await poller.wait()
-        except Exception:
-            # The waiting writes then end at their deadlines (UNAVAILABLE), pages fenced.
-            logger.exception("reading NIXL notifications failed")
-
-    def _deliver(self, sender: str, tag: bytes) -> None:
-        entry = self._waiting.get(tag)
-        if entry is None or entry[0] != sender:
-            # A late or foreign notification: it completes nothing.
-            logger.warning("ignoring a KV notification from agent %s", sender)
-            return
-        del self._waiting[tag]
-        if not entry[1].done():
-            entry[1].set_result(None)
-
-    # ---- sending side ----
     def load_peer(self, offer: NixlOffer) -> str:
         """Load (once per metadata) the offering agent; its name, checked against the offer."""
         if self._peers.get(offer.agent) == offer.metadata:
@@ -192,19 +184,11 @@ class NixlPlane:
             except Exception:  # noqa: BLE001 - already gone is fine
                 logger.debug("removing NIXL agent %s failed", agent, exc_info=True)
 
-    async def write(
-        self,
-        offer: NixlOffer,
-        local_slots: np.ndarray,
-        remote_slots: np.ndarray,
-        tag: bytes,
-        *,
-        deadline: float,
-        should_stop: Callable[[], bool],
-    ) -> int:
-        """Write `local_slots` of this pool into `remote_slots` of the offering peer's and
-        notify `tag` once it landed; bytes written. Cancelled (its transfer with it) past
-        `deadline` (monotonic) or once `should_stop()` is true."""
+    def start_write(
+        self, offer: NixlOffer, local_slots: np.ndarray, remote_slots: np.ndarray, tag: bytes
+    ) -> tuple[Any, str, int]:
+        """Start writing `local_slots` of this pool into `remote_slots` of the offering peer's,
+        notifying `tag` once it landed: (transfer handle, its state, bytes it writes)."""
         local_starts, remote_starts, lengths = paired_runs(local_slots, remote_slots)
         remote = PoolRegion(
             offer.base, offer.num_planes, offer.plane_bytes, offer.slot_bytes, offer.device_id
@@ -218,19 +202,15 @@ class NixlPlane:
             raise UnavailableError(f"NIXL could not set up a write to agent {offer.agent}: {error}") from None
         try:
             state = agent.transfer(handle)
-            poller = _Poller()
-            while state == "PROC":
-                if should_stop() or time.monotonic() > deadline:
-                    raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
-                await poller.wait()
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise UnavailableError(f"KV write to agent {offer.agent} failed ({state})")
-        finally:
-            self._release(handle)
-        return int(lengths.sum()) * self.region.slot_bytes * self.region.num_planes
+        except BaseException:
+            self.release(handle)
+            raise
+        return handle, state, int(lengths.sum()) * self.region.slot_bytes * self.region.num_planes
 
-    def _release(self, handle: Any) -> None:
+    def state(self, handle: Any) -> str:
+        return str(self._agent.check_xfer_state(handle))
+
+    def release(self, handle: Any) -> None:
         """Release a transfer, cancelling it if it still runs."""
         try:
             handle.release()
@@ -238,13 +218,130 @@ class NixlPlane:
             logger.exception("could not release (cancel) a NIXL transfer")
 
     def close(self) -> None:
-        if self._listener is not None:
-            self._listener.cancel()
-        for tag in list(self._waiting):
-            self.forget(tag)
         for agent in list(self._peers):
             self.drop_peer(agent)
         try:
             self._agent.deregister_memory(self._registered)
         except Exception:  # noqa: BLE001 - shutting down
             logger.debug("deregistering the KV pool failed", exc_info=True)
+
+
+class NotificationWaits:
+    """Writes a receiver waits for, by tag: each completes only on its tag from the agent
+    that claimed it (a late or foreign notification completes nothing)."""
+
+    def __init__(self) -> None:
+        self._waiting: dict[bytes, tuple[str, asyncio.Future[None]]] = {}
+
+    def __bool__(self) -> bool:
+        return bool(self._waiting)
+
+    def add(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting[tag] = (sender_agent, future)
+        return future
+
+    def forget(self, tag: bytes) -> bool:
+        """True if `tag` was still awaited."""
+        entry = self._waiting.pop(tag, None)
+        if entry is None:
+            return False
+        if not entry[1].done():
+            entry[1].cancel()
+        return True
+
+    def deliver(self, sender: str, tag: bytes) -> bool:
+        """True if this completed an awaited write."""
+        entry = self._waiting.get(tag)
+        if entry is None or entry[0] != sender:
+            logger.warning("ignoring a KV notification from agent %s", sender)
+            return False
+        del self._waiting[tag]
+        if not entry[1].done():
+            entry[1].set_result(None)
+        return True
+
+    def close(self) -> None:
+        for tag in list(self._waiting):
+            self.forget(tag)
+
+
+class NixlPlane:
+    """The shim's own agent (a core in a thread of this process, the pool this process's):
+    every agent call on the event loop's thread. Transfers and notifications are polled:
+    briefly by yielding, then with sleeps that grow to `_MAX_POLL_S`, so an idle shim spends
+    nothing and a short transfer is seen within microseconds."""
+
+    def __init__(self, module: Any, pool: torch.Tensor) -> None:
+        self._agent = NixlAgent(module, pool)
+        self.name = self._agent.name
+        self.region = self._agent.region
+        self.mem_type = self._agent.mem_type
+        self._waits = NotificationWaits()
+        self._listener: asyncio.Task[None] | None = None
+
+    def offer(self) -> NixlOffer:
+        return self._agent.offer()
+
+    # ---- receiving side: notifications ----
+    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]:
+        """A future set when `sender_agent` notifies `tag` (a write of it has landed)."""
+        future = self._waits.add(sender_agent, tag)
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.ensure_future(self._listen())
+        return future
+
+    def forget(self, tag: bytes) -> None:
+        self._waits.forget(tag)
+
+    async def _listen(self) -> None:
+        poller = _Poller()
+        try:
+            while self._waits:
+                for sender, tag in self._agent.notifications():
+                    self._waits.deliver(sender, tag)
+                    poller = _Poller()
+                await poller.wait()
+        except Exception:
+            # The waiting writes then end at their deadlines (UNAVAILABLE), pages fenced.
+            logger.exception("reading NIXL notifications failed")
+
+    # ---- sending side ----
+    async def load_peer(self, offer: NixlOffer) -> str:
+        return self._agent.load_peer(offer)
+
+    def drop_peer(self, agent: str) -> None:
+        self._agent.drop_peer(agent)
+
+    async def write(
+        self,
+        offer: NixlOffer,
+        local_slots: np.ndarray,
+        remote_slots: np.ndarray,
+        tag: bytes,
+        *,
+        deadline: float,
+        should_stop: Callable[[], bool],
+    ) -> int:
+        """Write `local_slots` of this pool into `remote_slots` of the offering peer's and
+        notify `tag` once it landed; bytes written. Cancelled (its transfer with it) past
+        `deadline` (monotonic) or once `should_stop()` is true."""
+        handle, state, num_bytes = self._agent.start_write(offer, local_slots, remote_slots, tag)
+        try:
+            poller = _Poller()
+            while state == "PROC":
+                if should_stop() or time.monotonic() > deadline:
+                    raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
+                await poller.wait()
+                state = self._agent.state(handle)
+            if state != "DONE":
+                raise UnavailableError(f"KV write to agent {offer.agent} failed ({state})")
+        finally:
+            self._agent.release(handle)
+        return num_bytes
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+        self._waits.close()
+        self._agent.close()

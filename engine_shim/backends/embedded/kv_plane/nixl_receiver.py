@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from engine_shim.backends.embedded.kv_plane.codec import check_layout
-from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
+from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane
 from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable
 from engine_shim.convert import layout_from_pb
 from engine_shim.engine.api import InvalidRequestError, KVLayout, UnavailableError
@@ -37,7 +37,7 @@ class KVWriteSink(Protocol):
 async def receive_write(
     request: engine_pb2.WriteKVRequest,
     table: ReceiveTable,
-    plane: NixlPlane | None,
+    plane: KVWritePlane | None,
     sink: KVWriteSink,
     hold: Callable[[str, bool], Awaitable[None]] | None = None,
 ) -> AsyncIterator[engine_pb2.WriteKVResponse]:

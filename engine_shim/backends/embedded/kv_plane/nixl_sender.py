@@ -19,7 +19,7 @@ from grpc import aio
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.hold import holding
-from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
+from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane
 from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
 from engine_shim.backends.embedded.kv_plane.sender import (
     PEER_ERRORS,
@@ -50,7 +50,7 @@ class WriteTimes:
 
 async def write_kv(
     peers: PeerChannels,
-    plane: NixlPlane,
+    plane: KVWritePlane,
     addr: KVAddrInfo,
     held: AbstractAsyncContextManager[Sequence[int]],
     *,
@@ -68,7 +68,7 @@ async def write_kv(
     if offer is None:
         raise UnavailableError("the receiver made no NIXL offer")
     times = WriteTimes() if times is None else times
-    plane.load_peer(offer)
+    await plane.load_peer(offer)
     started = time.perf_counter()
     async with holding(peers.hold_stub, addr, hold_timeout_s), held as slots:
         times.hold_ms = (time.perf_counter() - started) * 1e3
@@ -82,7 +82,7 @@ async def write_kv(
 
 async def _claim_and_write(
     peers: PeerChannels,
-    plane: NixlPlane,
+    plane: KVWritePlane,
     addr: KVAddrInfo,
     offer: NixlOffer,
     local: np.ndarray,

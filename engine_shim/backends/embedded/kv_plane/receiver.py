@@ -30,7 +30,7 @@ from engine_shim.errors import map_errors
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 if TYPE_CHECKING:
-    from engine_shim.backends.embedded.kv_plane.nixl import NixlPlane
+    from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane
 
 KV_TRANSFER_SERVICE = engine_pb2.DESCRIPTOR.services_by_name["KVTransfer"].full_name
 
@@ -75,7 +75,7 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         self,
         table: ReceiveTable,
         sink: KVSink,
-        nixl: Callable[[], NixlPlane | None] = lambda: None,
+        nixl: Callable[[], KVWritePlane | None] = lambda: None,
         on_hold: HoldListener | None = None,
     ) -> None:
         self._table = table

@@ -1,0 +1,216 @@
+"""NIXL with the engine core in a process of its own: the agent lives in the core's process,
+beside the pool it registers, and the shim drives it through the core's pipe.
+
+UCX cannot write a pool that the writing process holds only as a CUDA IPC mapping (every
+write failed NIXL_ERR_NOT_FOUND at initialize_xfer on an H200, nixl-cu13 1.5.1), so a core
+in its own process keeps the agent: `NixlSide` is the core loop's side (core_loop.Side),
+called between engine steps and polled each loop turn while a write or a notification is
+pending; `CoreNixlPlane` is the same interface as the shim's own NixlPlane, each call an op
+to the core, each completion an event back. The rules of the handshake around a write
+(nixl_sender.py, nixl_receiver.py) do not change: only where the agent runs does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from engine_shim.backends.embedded.kv_plane.addr import NixlOffer
+from engine_shim.backends.embedded.kv_plane.nixl import NixlAgent, NotificationWaits, load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion
+from engine_shim.engine.api import UnavailableError
+
+if TYPE_CHECKING:
+    from engine_shim.engine.async_engine import AsyncEngine
+    from engine_shim.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
+
+# While a write runs, the shim checks this often whether it should give up on it.
+_STOP_CHECK_S = 0.005
+
+_LISTEN, _LOAD, _DROP = "nixl_listen", "nixl_load_peer", "nixl_drop_peer"
+_WRITE, _CANCEL = "nixl_write", "nixl_cancel"
+
+
+# ---- in the core's process ----
+
+class NixlSide:
+    """The agent in the core's loop. Events back: ("notif", sender, tag) for every notification
+    while someone listens, ("write", xfer_id, state, error) when a write ends."""
+
+    ops = frozenset({_LISTEN, _LOAD, _DROP, _WRITE, _CANCEL})
+
+    def __init__(self, agent: NixlAgent | None, reason: str = "") -> None:
+        self._agent = agent
+        self._reason = reason
+        self._listeners = 0
+        self._writes: dict[int, Any] = {}  # xfer id -> transfer handle
+        self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
+
+    @property
+    def is_busy(self) -> bool:
+        return bool(self._writes or self._ended) or self._listeners > 0
+
+    def facts(self) -> tuple[NixlOffer | None, str]:
+        return (None, self._reason) if self._agent is None else (self._agent.offer(), "")
+
+    def call(self, op: str, args: tuple[Any, ...]) -> object:
+        agent = self._agent
+        if agent is None:
+            raise UnavailableError(f"no NIXL agent in the engine core: {self._reason}")
+        if op == _LISTEN:
+            self._listeners = max(0, self._listeners + args[0])
+        elif op == _LOAD:
+            return agent.load_peer(args[0])
+        elif op == _DROP:
+            agent.drop_peer(args[0])
+        elif op == _WRITE:
+            self._start_write(*args)
+        elif op == _CANCEL:
+            handle = self._writes.pop(args[0], None)
+            if handle is not None:
+                agent.release(handle)
+        return None
+
+    def _start_write(self, xfer_id: int, offer: NixlOffer, local: np.ndarray, remote: np.ndarray,
+                     tag: bytes) -> None:
+        assert self._agent is not None
+        try:
+            handle, _, _ = self._agent.start_write(offer, local, remote, tag)
+        except UnavailableError as error:
+            self._ended.append(("write", xfer_id, "ERR", str(error)))
+            return
+        self._writes[xfer_id] = handle
+
+    def poll(self) -> list[Any]:
+        agent = self._agent
+        assert agent is not None  # busy only once a call reached the agent
+        events, self._ended = self._ended, []
+        if self._listeners:
+            events += [("notif", sender, tag) for sender, tag in agent.notifications()]
+        for xfer_id, handle in list(self._writes.items()):
+            state = agent.state(handle)
+            if state != "PROC":
+                del self._writes[xfer_id]
+                agent.release(handle)
+                events.append(("write", xfer_id, state, ""))
+        return events
+
+    def close(self) -> None:
+        if self._agent is not None:
+            for handle in self._writes.values():
+                self._agent.release(handle)
+            self._writes.clear()
+            self._agent.close()
+
+
+def nixl_side(core: LLMEngine, loopback: bool) -> NixlSide:
+    """The core's side with an agent over its pool, or without one and the reason (NIXL
+    missing or failing to start). `loopback`: the shim is bound to loopback, and so is UCX."""
+    if loopback:
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    module, reason = load_nixl()
+    if module is None:
+        return NixlSide(None, reason)
+    try:
+        side = NixlSide(NixlAgent(module, core.kv_cache.kv))
+    except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
+        return NixlSide(None, f"NIXL agent failed to start: {error}")
+    return side
+
+
+# ---- in the shim ----
+
+class CoreNixlPlane:
+    """NixlPlane's interface over the agent in the core's process."""
+
+    def __init__(self, engine: AsyncEngine, offer: NixlOffer) -> None:
+        self._engine = engine
+        self._offer = offer
+        self.name = offer.agent
+        self.region = PoolRegion(offer.base, offer.num_planes, offer.plane_bytes, offer.slot_bytes,
+                                 offer.device_id)
+        self.mem_type = offer.mem_type
+        self._waits = NotificationWaits()
+        self._writes: dict[int, asyncio.Future[tuple[str, str]]] = {}
+        self._xfer_ids = itertools.count()
+        self._peers: dict[str, str] = {}  # agent name -> metadata the core has loaded
+        engine.on_side_events = self._on_events
+
+    def offer(self) -> NixlOffer:
+        return self._offer
+
+    # ---- receiving side ----
+    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]:
+        future = self._waits.add(sender_agent, tag)
+        self._engine.submit_side(_LISTEN, 1)  # before the sender is told to write
+        return future
+
+    def forget(self, tag: bytes) -> None:
+        if self._waits.forget(tag):
+            self._engine.submit_side(_LISTEN, -1)
+
+    # ---- sending side ----
+    async def load_peer(self, offer: NixlOffer) -> str:
+        if self._peers.get(offer.agent) != offer.metadata:
+            name = await self._engine.call_side(_LOAD, offer)
+            self._peers[name] = offer.metadata
+        return offer.agent
+
+    def drop_peer(self, agent: str) -> None:
+        if self._peers.pop(agent, None) is not None:
+            self._engine.submit_side(_DROP, agent)
+
+    async def write(
+        self,
+        offer: NixlOffer,
+        local_slots: np.ndarray,
+        remote_slots: np.ndarray,
+        tag: bytes,
+        *,
+        deadline: float,
+        should_stop: Callable[[], bool],
+    ) -> int:
+        xfer_id = next(self._xfer_ids)
+        ended: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
+        self._writes[xfer_id] = ended
+        try:
+            self._engine.submit_side(_WRITE, xfer_id, offer, local_slots, remote_slots, tag)
+            while not ended.done():
+                if should_stop() or time.monotonic() > deadline:
+                    raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
+                await asyncio.wait({ended}, timeout=_STOP_CHECK_S)
+            state, error = ended.result()
+            if state != "DONE":
+                raise UnavailableError(f"KV write to agent {offer.agent} failed ({error or state})")
+        finally:
+            if not ended.done():
+                self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
+            self._writes.pop(xfer_id, None)
+        return len(local_slots) * self.region.slot_bytes * self.region.num_planes
+
+    def _on_events(self, events: list[Any]) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "notif":
+                if self._waits.deliver(event[1], event[2]):
+                    self._engine.submit_side(_LISTEN, -1)
+            elif kind == "write":
+                future = self._writes.get(event[1])
+                if future is not None and not future.done():
+                    future.set_result((event[2], event[3]))
+            elif kind == "failed":
+                logger.error("the engine core's NIXL agent failed: %s", event[1])
+
+    def close(self) -> None:
+        self._waits.close()
+        for future in self._writes.values():
+            future.cancel()
