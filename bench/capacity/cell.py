@@ -12,6 +12,8 @@ from typing import Any
 from bench.capacity.client import LoadResult, LoadSpec, run_load
 from bench.capacity.cpu import machine_busy_s
 from bench.capacity.nominal import Nominal
+from bench.capacity.router_metrics import Snapshot as RouterSnapshot
+from bench.capacity.router_metrics import cell_summary, scrape
 from bench.capacity.stack import Stack
 from bench.loadgen.stats import percentile
 
@@ -22,10 +24,13 @@ class _Snapshot:
     processes: dict[str, tuple[float, float]]  # name -> (group CPU s, engine thread CPU s)
     machine_busy_s: float
     client_cpu_s: float
+    routers: RouterSnapshot  # the routers' engine-call and first-token histograms
 
 
 def _snapshot(stack: Stack) -> _Snapshot:
-    return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), time.process_time())
+    # The routers' metrics last: a scrape takes a few ms, the counters above are the edge.
+    return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), time.process_time(),
+                     scrape(stack.router_metrics_ports))
 
 
 # A closed-loop load: (spec, at_edge) -> its result; run_load is the gateway's HTTP client.
@@ -106,6 +111,9 @@ def cell_figures(
         "num_requests_finished": sum(1 for r in records if r.finish_reason is not None),
         "completion_tokens_min": min(finished, default=None),
         "completion_tokens_max": max(finished, default=None),
+        # PrepRecv / RemoteSend (with its KV push) as the routers timed them, and the router's
+        # own first-token time (the hops below it).
+        **cell_summary(opened.routers, closed.routers),
         "errors": [r.error for r in records if r.error is not None][:10],
         "num_errors": sum(1 for r in records if r.error is not None),
     }

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from bench.capacity.cpu import group_cpu_s, thread_cpu_s
 from bench.control_plane_run import wait_grpc_serving, wait_http_ready
 from bench.procs import ServiceGroup
-from microserving.stack.process import ServiceProcess
+from microserving.stack.process import ServiceProcess, free_ports
 
 # Printed by the synthetic backend once its engine thread runs (engine_shim/backends/synthetic/backend.py).
 _ENGINE_THREAD = re.compile(r"engine thread native id (\d+)")
@@ -54,6 +54,7 @@ class Stack:
     pattern: str
     base_url: str
     processes: list[StackProcess] = field(default_factory=list)
+    router_metrics_ports: list[int] = field(default_factory=list)  # each router's /metrics
 
     def cpu_s(self) -> dict[str, tuple[float, float]]:
         return {p.name: p.cpu_s() for p in self.processes}
@@ -92,12 +93,14 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
         engines.append(f"--engine={service.address}={role}")
     router_names = (["router"] if options.router_replicas == 1
                     else [f"router-{i}" for i in range(options.router_replicas)])
+    metrics_ports = free_ports(len(router_names))
     routers = await asyncio.gather(*(
         asyncio.to_thread(group.start, f"{pattern}-{name}", [
             "router", *engines, "--pattern", pattern, "--model", options.model,
-            "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING", *options.router_args,
+            "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
+            "--metrics-port", str(port), *options.router_args,
         ])
-        for name in router_names
+        for name, port in zip(router_names, metrics_ports, strict=True)
     ))
     for router in routers:
         await wait_grpc_serving(router.address, options.startup_timeout_s)
@@ -111,4 +114,4 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
     processes = [StackProcess("gateway", gateway),
                  *(StackProcess(n, r) for n, r in zip(router_names, routers, strict=True)),
                  *processes]
-    return Stack(pattern, base_url, processes)
+    return Stack(pattern, base_url, processes, metrics_ports)

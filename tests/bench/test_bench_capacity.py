@@ -47,3 +47,13 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
         assert set(row["engine_thread_ms_per_1k_tokens"]) == shims
         assert all(v >= 0 for v in cpu.values()) and cpu["total"] > 0
         assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"))
+        # What the routers timed: every request's first token, and disagg's engine calls
+        # (one PrepRecv and one RemoteSend per request in the window).
+        assert row["router_ttft"]["count"] >= 1 and row["router_ttft"]["p50_ms"] > 0
+        calls = row["engine_calls"]
+        if pattern == "disagg":
+            assert set(calls) == {"prep_recv", "remote_send"}
+            assert calls["remote_send"]["count"] >= 1
+            assert 0 < calls["remote_send"]["p50_ms"] <= calls["remote_send"]["p99_ms"]
+        else:
+            assert calls == {}
