@@ -95,13 +95,23 @@ class NixlSide:
         assert agent is not None  # busy only once a call reached the agent
         events, self._ended = self._ended, []
         if self._listeners:
-            events += [("notif", sender, tag) for sender, tag in agent.notifications()]
+            try:
+                events += [("notif", sender, tag) for sender, tag in agent.notifications()]
+            except Exception as error:  # noqa: BLE001 - NIXL raises its own error types
+                # As the in-shim listener does: stop reading; the waiting writes end at their
+                # deadlines (UNAVAILABLE), their pages fenced.
+                logger.exception("reading NIXL notifications failed")
+                self._listeners = 0
+                events.append(("failed", f"reading notifications: {error}"))
         for xfer_id, handle in list(self._writes.items()):
-            state = agent.state(handle)
+            try:
+                state, error_text = agent.state(handle), ""
+            except Exception as error:  # noqa: BLE001 - likewise
+                state, error_text = "ERR", str(error)
             if state != "PROC":
                 del self._writes[xfer_id]
                 agent.release(handle)
-                events.append(("write", xfer_id, state, ""))
+                events.append(("write", xfer_id, state, error_text))
         return events
 
     def close(self) -> None:
