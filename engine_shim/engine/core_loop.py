@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 _IDLE_WAIT_S = 1.0  # longest idle sleep; calls wake the loop at once anyway
 _SIDE_POLL_S = 0.0005  # while the side has work, the loop polls it at least this often
+_EARLY_WAKE_S = 0.001  # an idle wait that ends this close to its end counts as ended
 STOP = "stop"  # put in the inbox to end the loop
 
 # Kinds of the entries of an emitted batch.
@@ -175,7 +176,7 @@ class CoreLoop:
                 try:
                     item = self._inbox.get(timeout)
                 except queue.Empty:
-                    if idle_ends is not None and time.monotonic() >= idle_ends - 0.001:
+                    if idle_ends is not None and time.monotonic() >= idle_ends - _EARLY_WAKE_S:
                         core.reap_expired_reservations()  # and fences past their end
                         self._out.append((EVENTS, []))  # what they freed shows in GetStatus
                     return True

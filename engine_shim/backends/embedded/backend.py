@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
-import os
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, check_layout
-from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane, NixlPlane, load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane, NixlPlane, start_agent
 from engine_shim.backends.embedded.kv_plane.nixl_core import CoreNixlPlane, nixl_side
 from engine_shim.backends.embedded.kv_plane.nixl_sender import WriteTimes, write_kv
 from engine_shim.backends.embedded.kv_plane.peers import PeerAllowList
@@ -325,19 +324,11 @@ def _start_nixl(transport: str, pool: torch.Tensor | None, host: str) -> NixlPla
     `auto` falls back with a log."""
     if transport not in ("auto", "nixl") or pool is None:
         return None
-    if _is_loopback(host):
-        # UCX listens on every network device it finds; a shim bound to loopback keeps its
-        # KV data plane there too (shared memory and CUDA IPC are not network devices).
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    module, reason = load_nixl()
-    if module is not None:
-        try:
-            plane = NixlPlane(module, pool)
-        except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
-            module, reason = None, f"NIXL agent failed to start: {error}"
-    if module is None:
+    agent, reason = start_agent(pool, _is_loopback(host))
+    if agent is None:
         _no_nixl(transport, reason)
         return None
+    plane = NixlPlane(agent)
     logger.info("KV transport: NIXL agent %s, pool in %s", plane.name, plane.mem_type)
     return plane
 

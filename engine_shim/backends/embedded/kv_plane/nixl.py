@@ -74,6 +74,27 @@ def _adopt_nixl_logger() -> None:
         nixl_logger.setLevel(logging.WARNING)
 
 
+def start_agent(pool: torch.Tensor, loopback: bool) -> tuple[NixlAgent | None, str]:
+    """An agent over `pool` in this process, or None and why not (NIXL missing or failing to
+    start). `loopback`: the shim is bound to loopback, and UCX is kept there too."""
+    if loopback:
+        # UCX listens on every network device it finds; a shim bound to loopback keeps its
+        # KV data plane there too (shared memory and CUDA IPC are not network devices).
+        os.environ.setdefault("UCX_NET_DEVICES", "lo")
+    module, reason = load_nixl()
+    if module is None:
+        return None, reason
+    try:
+        return NixlAgent(module, pool), ""
+    except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
+        return None, f"NIXL agent failed to start: {error}"
+
+
+def offer_region(offer: NixlOffer) -> PoolRegion:
+    """Where the offering peer's pool lies, in its own address space."""
+    return PoolRegion(offer.base, offer.num_planes, offer.plane_bytes, offer.slot_bytes, offer.device_id)
+
+
 def pool_region(pool: torch.Tensor) -> PoolRegion:
     """The planes of a contiguous [num_layers, 2, num_slots, ...] pool."""
     if not pool.is_contiguous():
@@ -190,9 +211,7 @@ class NixlAgent:
         """Start writing `local_slots` of this pool into `remote_slots` of the offering peer's,
         notifying `tag` once it landed: (transfer handle, its state, bytes it writes)."""
         local_starts, remote_starts, lengths = paired_runs(local_slots, remote_slots)
-        remote = PoolRegion(
-            offer.base, offer.num_planes, offer.plane_bytes, offer.slot_bytes, offer.device_id
-        )
+        remote = offer_region(offer)
         agent = self._agent
         local_descs = agent.get_xfer_descs(descriptors(self.region, local_starts, lengths), self.mem_type)
         remote_descs = agent.get_xfer_descs(descriptors(remote, remote_starts, lengths), offer.mem_type)
@@ -205,7 +224,7 @@ class NixlAgent:
         except BaseException:
             self.release(handle)
             raise
-        return handle, state, int(lengths.sum()) * self.region.slot_bytes * self.region.num_planes
+        return handle, state, self.region.bytes_of(int(lengths.sum()))
 
     def state(self, handle: Any) -> str:
         return str(self._agent.check_xfer_state(handle))
@@ -272,8 +291,8 @@ class NixlPlane:
     briefly by yielding, then with sleeps that grow to `_MAX_POLL_S`, so an idle shim spends
     nothing and a short transfer is seen within microseconds."""
 
-    def __init__(self, module: Any, pool: torch.Tensor) -> None:
-        self._agent = NixlAgent(module, pool)
+    def __init__(self, agent: NixlAgent) -> None:
+        self._agent = agent
         self.name = self._agent.name
         self.region = self._agent.region
         self.mem_type = self._agent.mem_type

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -23,8 +22,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from engine_shim.backends.embedded.kv_plane.addr import NixlOffer
-from engine_shim.backends.embedded.kv_plane.nixl import NixlAgent, NotificationWaits, load_nixl
-from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion
+from engine_shim.backends.embedded.kv_plane.nixl import (
+    NixlAgent,
+    NotificationWaits,
+    offer_region,
+    start_agent,
+)
 from engine_shim.engine.api import UnavailableError
 
 if TYPE_CHECKING:
@@ -125,16 +128,8 @@ class NixlSide:
 def nixl_side(core: LLMEngine, loopback: bool) -> NixlSide:
     """The core's side with an agent over its pool, or without one and the reason (NIXL
     missing or failing to start). `loopback`: the shim is bound to loopback, and so is UCX."""
-    if loopback:
-        os.environ.setdefault("UCX_NET_DEVICES", "lo")
-    module, reason = load_nixl()
-    if module is None:
-        return NixlSide(None, reason)
-    try:
-        side = NixlSide(NixlAgent(module, core.kv_cache.kv))
-    except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
-        return NixlSide(None, f"NIXL agent failed to start: {error}")
-    return side
+    agent, reason = start_agent(core.kv_cache.kv, loopback)
+    return NixlSide(agent, reason)
 
 
 # ---- in the shim ----
@@ -146,8 +141,7 @@ class CoreNixlPlane:
         self._engine = engine
         self._offer = offer
         self.name = offer.agent
-        self.region = PoolRegion(offer.base, offer.num_planes, offer.plane_bytes, offer.slot_bytes,
-                                 offer.device_id)
+        self.region = offer_region(offer)
         self.mem_type = offer.mem_type
         self._waits = NotificationWaits()
         self._writes: dict[int, asyncio.Future[tuple[str, str]]] = {}
@@ -205,7 +199,7 @@ class CoreNixlPlane:
             if not ended.done():
                 self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
             self._writes.pop(xfer_id, None)
-        return len(local_slots) * self.region.slot_bytes * self.region.num_planes
+        return self.region.bytes_of(len(local_slots))
 
     def _on_events(self, events: list[Any]) -> None:
         for event in events:

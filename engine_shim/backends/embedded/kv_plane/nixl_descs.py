@@ -32,6 +32,10 @@ class PoolRegion:
     def num_slots(self) -> int:
         return self.plane_bytes // self.slot_bytes
 
+    def bytes_of(self, num_slots: int) -> int:
+        """Bytes that `num_slots` slots hold, over every plane."""
+        return num_slots * self.slot_bytes * self.num_planes
+
 
 def segment_slots(kv_segments: Sequence[int]) -> np.ndarray:
     """MLC's [n, begin_1, len_1, ...] slot list -> every slot, in order (int64)."""

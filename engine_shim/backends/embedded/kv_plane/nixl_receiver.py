@@ -78,6 +78,6 @@ async def receive_write(
     num_tokens = ticket.end - ticket.begin
     done = engine_pb2.PushKVResponse(
         num_tokens_written=num_tokens,
-        num_bytes_written=num_tokens * plane.region.slot_bytes * plane.region.num_planes,
+        num_bytes_written=plane.region.bytes_of(num_tokens),
     )
     yield engine_pb2.WriteKVResponse(done=done)
