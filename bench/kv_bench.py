@@ -95,6 +95,7 @@ async def run(
     device: str = "cpu",
     dtype: str = "auto",
     paths: tuple[str, ...] = ALL_PATHS,
+    engine_process: str = "auto",
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
     # shared memory) between two Python processes. D has no prefix-cache hit: every run
@@ -103,9 +104,9 @@ async def run(
               "--reservation-ttl-s", "3600", "--device", device, "--dtype", dtype]
     group = ServiceGroup(Path(tempfile.mkdtemp(prefix="kv_bench_")))
     try:
-        # The engine core in each shim's own process: there NIXL registers the pool itself
-        # (a pool shared from a core process over CUDA IPC is not NIXL's to register).
-        common += ["--engine-process", "off"]
+        # Where each shim's engine core runs (the shim's --engine-process; auto: a process of
+        # its own on CUDA). NIXL's agent lives beside the pool either way (nixl_core.py).
+        common += ["--engine-process", engine_process]
         d = group.start("decode", ["shim", "--role", "decode", *common, "--log-level", "WARNING"])
         # P pushes only to peers it knows (issue 17): D, named up front.
         p = group.start("prefill", ["shim", "--role", "prefill", *common, "--log-level", "INFO",
@@ -196,6 +197,8 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--paths", nargs="+", choices=ALL_PATHS, default=list(ALL_PATHS))
+    parser.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
+                        help="the shims' --engine-process")
     args = parser.parse_args()
     paths = tuple(args.paths)
     if "nixl" in paths:
@@ -206,12 +209,14 @@ def main() -> None:
             print(f"kv_bench: leaving out nixl: {reason}", file=sys.stderr)
             paths = tuple(p for p in paths if p != "nixl")
     rows = asyncio.run(
-        run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths)
+        run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths,
+            args.engine_process)
     )
     print(
         json.dumps(
             {
                 "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+                "engine_process": args.engine_process,
                 "rows": rows,
             },
             indent=2,

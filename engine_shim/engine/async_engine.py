@@ -273,11 +273,14 @@ class AsyncEngine:
 
     @contextlib.asynccontextmanager
     async def held_send(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int, cache_salt: str = ""
-    ) -> AsyncIterator[list[int]]:
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int, cache_salt: str = "",
+        *, fetch_slots: bool = True,
+    ) -> AsyncIterator[list[int] | None]:
         """Compute KV of prompt[:end] and hold the job's pages: yields the pool slots of
-        [begin, end), which a transfer engine reads in place; on exit the job is released
-        (its pages to the prefix cache after a clean exit, freed otherwise)."""
+        [begin, end), which a transfer engine reads in place (None with `fetch_slots` off:
+        the core's side reads them itself, a round trip less); on exit the job is released
+        (its pages to the prefix cache after a clean exit, freed otherwise). The release is
+        not awaited: the core runs it in order, before any later call."""
         ids = list(token_ids)
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
@@ -288,9 +291,9 @@ class AsyncEngine:
             if isinstance(item, BaseException):
                 is_released = True
                 raise item
-            yield await self._call("send_slots", request_id)
+            yield await self._call("send_slots", request_id) if fetch_slots else None
             is_released = True
-            await self._call("finish_remote_send", request_id)
+            self._submit_nowait("finish_remote_send", request_id)
         finally:
             self._close_stream(self._send_queues, request_id, stream)
             if not is_released:

@@ -159,7 +159,9 @@ class Disaggregation:
         return reservation
 
     def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
-        self._reservation(request_id).write_ends_at = write_ends_at
+        reservation = self._reservation(request_id)
+        reservation.write_ends_at = write_ends_at
+        reservation.expires_at = math.inf  # held while the peer writes (as hold_reservation)
 
     def finish_kv_write(self, request_id: str) -> None:
         reservation = self.reservations.get(request_id)
@@ -167,6 +169,8 @@ class Disaggregation:
             raise NotFoundError(f"no KV write in progress for request {request_id!r}")
         reservation.write_ends_at = None
         reservation.imported[:] = b"\x01" * len(reservation.imported)
+        # The hold ends with the write: the TTL starts again for the start_generate to come.
+        reservation.expires_at = time.monotonic() + self.config.reservation_ttl_s
 
     def hold_reservation(self, request_id: str, is_held: bool) -> None:
         reservation = self._reservation(request_id)

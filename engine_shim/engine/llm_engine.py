@@ -240,12 +240,14 @@ class LLMEngine:
     def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
         """A peer is about to write [matched, end) of the reservation straight into its pages
         (a one-sided transfer-engine write) and writes nothing after `write_ends_at`
-        (monotonic). Until finish_kv_write, an abort or expiry fences the pages until then
-        instead of freeing them."""
+        (monotonic). Until finish_kv_write the reservation is held (it does not expire), and
+        an abort fences the pages until then instead of freeing them: one engine call where
+        a write was a hold and a begin."""
         self.disaggregation.begin_kv_write(request_id, write_ends_at)
 
     def finish_kv_write(self, request_id: str) -> None:
-        """The peer's write landed (its notification arrived): [matched, end) is imported."""
+        """The peer's write landed (its notification arrived): [matched, end) is imported,
+        and the reservation's TTL starts again, now, for the start_generate to come."""
         self.disaggregation.finish_kv_write(request_id)
 
     def hold_reservation(self, request_id: str, is_held: bool) -> None:

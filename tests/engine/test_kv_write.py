@@ -71,9 +71,8 @@ def test_a_write_by_descriptors_matches_one_engine_alone(
         assert engine.status().num_free_pages == engine.num_pages
 
 
-@pytest.mark.parametrize("ending", ["abort", "expiry"])
 def test_a_reservation_ended_mid_write_is_fenced_until_the_writers_deadline(
-    make_engine: Callable[..., LLMEngine], ending: str
+    make_engine: Callable[..., LLMEngine],
 ) -> None:
     decode = make_engine(reservation_ttl_s=5.0)
     ids = random_prompt(9, 100)
@@ -82,10 +81,10 @@ def test_a_reservation_ended_mid_write_is_fenced_until_the_writers_deadline(
     now = time.monotonic()
     write_ends_at = now + 100.0
     decode.begin_kv_write("w", write_ends_at)
-    if ending == "abort":
-        assert decode.abort("w")
-    else:
-        assert decode.reap_expired_reservations(now + 10.0) == ["w"]
+    # A write holds the reservation past its TTL (its end is the receiving shim's: it aborts
+    # once the writer's deadline passed without the notification).
+    assert decode.reap_expired_reservations(now + 10.0) == []
+    assert decode.abort("w")
     status = decode.status()
     assert status.num_reserved_requests == 0  # the id is free again at once
     assert status.num_free_pages == held < decode.num_pages  # but not the pages
@@ -126,3 +125,19 @@ def test_malformed_kv_segments_are_invalid(segments: list[int]) -> None:
 def test_a_sender_holding_other_than_the_reserved_count_is_invalid() -> None:
     with pytest.raises(InvalidRequestError):
         paired_runs(np.arange(3, dtype=np.int64), np.arange(4, dtype=np.int64))
+
+
+def test_a_write_holds_its_reservation_and_its_end_restarts_the_ttl(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    decode = make_engine(reservation_ttl_s=5.0)
+    decode.prep_recv("w", random_prompt(11, 100), -1)
+    started = time.monotonic()
+    decode.begin_kv_write("w", started + 60.0)
+    assert decode.next_deadline() is None  # held: no expiry to wake for
+    assert decode.reap_expired_reservations(started + 30.0) == []
+    decode.finish_kv_write("w")
+    deadline = decode.next_deadline()
+    assert deadline is not None and deadline >= started + 5.0  # the TTL counts from the end
+    assert decode.reap_expired_reservations(deadline + 0.1) == ["w"]
+    assert decode.status().num_free_pages == decode.num_pages  # written, never started: freed

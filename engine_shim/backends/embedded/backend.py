@@ -252,12 +252,13 @@ class EmbeddedBackend:
         assert self._nixl is not None  # checked by _can_write_nixl
         started = time.perf_counter()
         held = self.engine.held_send(
-            request_id, list(token_ids), begin, end, sampling.cache_salt
+            request_id, list(token_ids), begin, end, sampling.cache_salt,
+            fetch_slots=not self._nixl.reads_held_slots,
         )
         times = WriteTimes()
         num_tokens, num_bytes = await write_kv(
             self._peers, self._nixl, addr, held,
-            window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s,
+            send_id=request_id, window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s,
             hold_timeout_s=self._settings.kv_push_timeout_s, times=times,
         )
         logger.info(

@@ -24,6 +24,7 @@ import os
 import secrets
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
@@ -120,6 +121,16 @@ class _Poller:
         await asyncio.sleep(self._sleep_s)
 
 
+@dataclass(frozen=True)
+class HeldSlots:
+    """The local side of a write as a reference: the slots of the engine's held send
+    `request_id`, from its `offset`-th on, read where the agent runs (the core's process)
+    when the write starts, instead of fetched into the shim first (a round trip)."""
+
+    request_id: str
+    offset: int
+
+
 class KVWritePlane(Protocol):
     """What the two sides of a NIXL write (nixl_sender.py, nixl_receiver.py) use of an agent:
     NixlPlane (the agent in this process) or nixl_core.CoreNixlPlane (in the core's)."""
@@ -127,10 +138,15 @@ class KVWritePlane(Protocol):
     name: str
     region: PoolRegion
     mem_type: str
+    # write() takes HeldSlots for its local side (the agent sits beside the engine core)
+    reads_held_slots: bool
+    # a notification completes its write in the engine itself (finish_kv_write), before the
+    # future of expect() is set (or set with the error that completion raised)
+    finishes_writes: bool
 
     def offer(self) -> NixlOffer: ...
 
-    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]: ...
+    def expect(self, sender_agent: str, tag: bytes, request_id: str) -> asyncio.Future[None]: ...
 
     def forget(self, tag: bytes) -> None: ...
 
@@ -139,8 +155,8 @@ class KVWritePlane(Protocol):
     def drop_peer(self, agent: str) -> None: ...
 
     async def write(
-        self, offer: NixlOffer, local_slots: np.ndarray, remote_slots: np.ndarray, tag: bytes,
-        *, deadline: float, should_stop: Callable[[], bool],
+        self, offer: NixlOffer, local_slots: np.ndarray | HeldSlots, remote_slots: np.ndarray,
+        tag: bytes, *, deadline: float, should_stop: Callable[[], bool],
     ) -> int: ...
 
     def close(self) -> None: ...
@@ -269,15 +285,18 @@ class NotificationWaits:
             entry[1].cancel()
         return True
 
-    def deliver(self, sender: str, tag: bytes) -> bool:
-        """True if this completed an awaited write."""
+    def deliver(self, sender: str, tag: bytes, error: BaseException | None = None) -> bool:
+        """True if this completed an awaited write (with `error`, if completing it failed)."""
         entry = self._waiting.get(tag)
         if entry is None or entry[0] != sender:
             logger.warning("ignoring a KV notification from agent %s", sender)
             return False
         del self._waiting[tag]
         if not entry[1].done():
-            entry[1].set_result(None)
+            if error is None:
+                entry[1].set_result(None)
+            else:
+                entry[1].set_exception(error)
         return True
 
     def close(self) -> None:
@@ -296,6 +315,8 @@ class NixlPlane:
         self.name = self._agent.name
         self.region = self._agent.region
         self.mem_type = self._agent.mem_type
+        self.reads_held_slots = False  # the engine thread's slots come to the loop first
+        self.finishes_writes = False  # the receiving shim calls finish_kv_write
         self._waits = NotificationWaits()
         self._listener: asyncio.Task[None] | None = None
 
@@ -303,7 +324,7 @@ class NixlPlane:
         return self._agent.offer()
 
     # ---- receiving side: notifications ----
-    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]:
+    def expect(self, sender_agent: str, tag: bytes, request_id: str) -> asyncio.Future[None]:
         """A future set when `sender_agent` notifies `tag` (a write of it has landed)."""
         future = self._waits.add(sender_agent, tag)
         if self._listener is None or self._listener.done():
@@ -335,7 +356,7 @@ class NixlPlane:
     async def write(
         self,
         offer: NixlOffer,
-        local_slots: np.ndarray,
+        local_slots: np.ndarray | HeldSlots,
         remote_slots: np.ndarray,
         tag: bytes,
         *,
@@ -345,6 +366,8 @@ class NixlPlane:
         """Write `local_slots` of this pool into `remote_slots` of the offering peer's and
         notify `tag` once it landed; bytes written. Cancelled (its transfer with it) past
         `deadline` (monotonic) or once `should_stop()` is true."""
+        if isinstance(local_slots, HeldSlots):
+            raise TypeError("this plane writes slots fetched from the engine, not references")
         handle, state, num_bytes = self._agent.start_write(offer, local_slots, remote_slots, tag)
         try:
             poller = _Poller()

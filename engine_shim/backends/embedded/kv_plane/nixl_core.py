@@ -23,12 +23,13 @@ import numpy as np
 
 from engine_shim.backends.embedded.kv_plane.addr import NixlOffer
 from engine_shim.backends.embedded.kv_plane.nixl import (
+    HeldSlots,
     NixlAgent,
     NotificationWaits,
     offer_region,
     start_agent,
 )
-from engine_shim.engine.api import UnavailableError
+from engine_shim.engine.api import EngineError, UnavailableError
 
 if TYPE_CHECKING:
     from engine_shim.engine.async_engine import AsyncEngine
@@ -38,29 +39,38 @@ logger = logging.getLogger(__name__)
 
 # While a write runs, the shim checks this often whether it should give up on it.
 _STOP_CHECK_S = 0.005
+# A write just started is checked this long in a tight loop before the loop's next turn
+# (0.5 ms away when idle): a copy on one host usually ends within it.
+_WRITE_SPIN_S = 0.0002
 
-_LISTEN, _LOAD, _DROP = "nixl_listen", "nixl_load_peer", "nixl_drop_peer"
+_EXPECT, _FORGET = "nixl_expect", "nixl_forget"
+_LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
 _WRITE, _CANCEL = "nixl_write", "nixl_cancel"
 
 
 # ---- in the core's process ----
 
 class NixlSide:
-    """The agent in the core's loop. Events back: ("notif", sender, tag) for every notification
-    while someone listens, ("write", xfer_id, state, error) when a write ends."""
+    """The agent in the core's loop. Events back: ("notif", sender, tag, error) for every
+    notification while writes are expected, the write of an expected one completed in the
+    engine first (finish_kv_write: error "" or what it raised), so the receiving shim need not
+    ask the engine again; ("write", xfer_id, state, error) when a write of this side ends."""
 
-    ops = frozenset({_LISTEN, _LOAD, _DROP, _WRITE, _CANCEL})
+    ops = frozenset({_EXPECT, _FORGET, _LOAD, _DROP, _WRITE, _CANCEL})
 
-    def __init__(self, agent: NixlAgent | None, reason: str = "") -> None:
+    def __init__(
+        self, agent: NixlAgent | None, reason: str = "", core: LLMEngine | None = None
+    ) -> None:
         self._agent = agent
         self._reason = reason
-        self._listeners = 0
+        self._core = core  # reads the slots of held sends (HeldSlots)
+        self._expected: dict[bytes, tuple[str, str]] = {}  # tag -> (sender agent, request id)
         self._writes: dict[int, Any] = {}  # xfer id -> transfer handle
         self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
 
     @property
     def is_busy(self) -> bool:
-        return bool(self._writes or self._ended) or self._listeners > 0
+        return bool(self._writes or self._ended or self._expected)
 
     def facts(self) -> tuple[NixlOffer | None, str]:
         return (None, self._reason) if self._agent is None else (self._agent.offer(), "")
@@ -69,8 +79,11 @@ class NixlSide:
         agent = self._agent
         if agent is None:
             raise UnavailableError(f"no NIXL agent in the engine core: {self._reason}")
-        if op == _LISTEN:
-            self._listeners = max(0, self._listeners + args[0])
+        if op == _EXPECT:
+            tag, sender, request_id = args
+            self._expected[tag] = (sender, request_id)
+        elif op == _FORGET:
+            self._expected.pop(args[0], None)
         elif op == _LOAD:
             return agent.load_peer(args[0])
         elif op == _DROP:
@@ -83,29 +96,44 @@ class NixlSide:
                 agent.release(handle)
         return None
 
-    def _start_write(self, xfer_id: int, offer: NixlOffer, local: np.ndarray, remote: np.ndarray,
-                     tag: bytes) -> None:
-        assert self._agent is not None
+    def _start_write(self, xfer_id: int, offer: NixlOffer, local: np.ndarray | HeldSlots,
+                     remote: np.ndarray, tag: bytes) -> None:
+        agent = self._agent
+        assert agent is not None
         try:
-            handle, _, _ = self._agent.start_write(offer, local, remote, tag)
-        except UnavailableError as error:
+            if isinstance(local, HeldSlots):
+                local = self._held_slots(local)
+            handle, state, _ = agent.start_write(offer, local, remote, tag)
+        except EngineError as error:  # UnavailableError included
             self._ended.append(("write", xfer_id, "ERR", str(error)))
             return
-        self._writes[xfer_id] = handle
+        spin_ends = time.perf_counter() + _WRITE_SPIN_S
+        while state == "PROC" and time.perf_counter() < spin_ends:
+            state = agent.state(handle)
+        self._writes[xfer_id] = handle  # poll() reports it, ended or not
+
+    def _held_slots(self, ref: HeldSlots) -> np.ndarray:
+        if self._core is None:
+            raise UnavailableError("this side has no engine to read held sends from")
+        # send_slots waits for the engine's pending KV writes (CUDA) before the read
+        slots = self._core.send_slots(ref.request_id)
+        return np.asarray(slots[ref.offset :], dtype=np.int64)
 
     def poll(self) -> list[Any]:
         agent = self._agent
         assert agent is not None  # busy only once a call reached the agent
         events, self._ended = self._ended, []
-        if self._listeners:
+        if self._expected:
             try:
-                events += [("notif", sender, tag) for sender, tag in agent.notifications()]
+                notifications = agent.notifications()
             except Exception as error:  # noqa: BLE001 - NIXL raises its own error types
                 # As the in-shim listener does: stop reading; the waiting writes end at their
                 # deadlines (UNAVAILABLE), their pages fenced.
                 logger.exception("reading NIXL notifications failed")
-                self._listeners = 0
+                self._expected.clear()
+                notifications = []
                 events.append(("failed", f"reading notifications: {error}"))
+            events += [self._landed(sender, tag) for sender, tag in notifications]
         for xfer_id, handle in list(self._writes.items()):
             try:
                 state, error_text = agent.state(handle), ""
@@ -116,6 +144,20 @@ class NixlSide:
                 agent.release(handle)
                 events.append(("write", xfer_id, state, error_text))
         return events
+
+    def _landed(self, sender: str, tag: bytes) -> tuple[str, str, bytes, str]:
+        """A notification: an expected write from its claimed sender has landed, and is
+        completed in the engine here, in the loop's turn that saw it. Any other is passed on
+        untouched (the shim logs and ignores it)."""
+        expected = self._expected.get(tag)
+        if expected is None or expected[0] != sender or self._core is None:
+            return ("notif", sender, tag, "")
+        del self._expected[tag]
+        try:
+            self._core.finish_kv_write(expected[1])
+        except EngineError as error:  # e.g. aborted meanwhile: the shim ends the write
+            return ("notif", sender, tag, str(error) or type(error).__name__)
+        return ("notif", sender, tag, "")
 
     def close(self) -> None:
         if self._agent is not None:
@@ -129,7 +171,7 @@ def nixl_side(core: LLMEngine, loopback: bool) -> NixlSide:
     """The core's side with an agent over its pool, or without one and the reason (NIXL
     missing or failing to start). `loopback`: the shim is bound to loopback, and so is UCX."""
     agent, reason = start_agent(core.kv_cache.kv, loopback)
-    return NixlSide(agent, reason)
+    return NixlSide(agent, reason, core)
 
 
 # ---- in the shim ----
@@ -143,6 +185,8 @@ class CoreNixlPlane:
         self.name = offer.agent
         self.region = offer_region(offer)
         self.mem_type = offer.mem_type
+        self.reads_held_slots = True
+        self.finishes_writes = True
         self._waits = NotificationWaits()
         self._writes: dict[int, asyncio.Future[tuple[str, str]]] = {}
         self._xfer_ids = itertools.count()
@@ -153,14 +197,15 @@ class CoreNixlPlane:
         return self._offer
 
     # ---- receiving side ----
-    def expect(self, sender_agent: str, tag: bytes) -> asyncio.Future[None]:
+    def expect(self, sender_agent: str, tag: bytes, request_id: str) -> asyncio.Future[None]:
         future = self._waits.add(sender_agent, tag)
-        self._engine.submit_side(_LISTEN, 1)  # before the sender is told to write
+        # in order before the begin_kv_write that precedes the sender's go-ahead
+        self._engine.submit_side(_EXPECT, tag, sender_agent, request_id)
         return future
 
     def forget(self, tag: bytes) -> None:
         if self._waits.forget(tag):
-            self._engine.submit_side(_LISTEN, -1)
+            self._engine.submit_side(_FORGET, tag)
 
     # ---- sending side ----
     async def load_peer(self, offer: NixlOffer) -> str:
@@ -176,7 +221,7 @@ class CoreNixlPlane:
     async def write(
         self,
         offer: NixlOffer,
-        local_slots: np.ndarray,
+        local_slots: np.ndarray | HeldSlots,
         remote_slots: np.ndarray,
         tag: bytes,
         *,
@@ -199,14 +244,15 @@ class CoreNixlPlane:
             if not ended.done():
                 self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
             self._writes.pop(xfer_id, None)
-        return self.region.bytes_of(len(local_slots))
+        return self.region.bytes_of(len(remote_slots))  # the side checked they pair up
 
     def _on_events(self, events: list[Any]) -> None:
         for event in events:
             kind = event[0]
             if kind == "notif":
-                if self._waits.deliver(event[1], event[2]):
-                    self._engine.submit_side(_LISTEN, -1)
+                _, sender, tag, error = event
+                self._waits.deliver(sender, tag, UnavailableError(
+                    f"completing the KV write in the engine failed: {error}") if error else None)
             elif kind == "write":
                 future = self._writes.get(event[1])
                 if future is not None and not future.done():

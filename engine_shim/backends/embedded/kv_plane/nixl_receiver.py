@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
 from engine_shim.backends.embedded.kv_plane.codec import check_layout
@@ -39,10 +39,13 @@ async def receive_write(
     table: ReceiveTable,
     plane: KVWritePlane | None,
     sink: KVWriteSink,
-    hold: Callable[[str, bool], Awaitable[None]] | None = None,
+    on_hold: Callable[[str, bool], None] | None = None,
 ) -> AsyncIterator[engine_pb2.WriteKVResponse]:
-    """WriteKV's events: ready, then done. `hold` (like PushKV's) keeps the reservation from
-    expiring while the sender writes; the write deadline still bounds the wait."""
+    """WriteKV's events: ready, then done. The engine holds the reservation from
+    begin_kv_write to finish_kv_write (one call each, and an agent beside the engine core
+    makes the second itself on the notification: a write then costs the receiver's engine
+    one round trip, the claim's); `on_hold` is told of both ends, like the holds of PushKV.
+    The write deadline still bounds the wait."""
     if plane is None:
         raise InvalidRequestError("this shim offers no NIXL writes (see --kv-transport)")
     if not 0 < request.write_deadline_ms <= MAX_WRITE_DEADLINE_MS:
@@ -56,18 +59,19 @@ async def receive_write(
             ticket.write_digest, request.offer_digest
         ):
             raise InvalidRequestError("the write offer quoted is not the one this reservation made")
-        landed = plane.expect(request.sender_agent, tag)
+        landed = plane.expect(request.sender_agent, tag, request.request_id)
         await sink.begin_kv_write(request.request_id, write_ends_at)
-        if hold is not None:
-            await hold(request.request_id, True)
+        if on_hold is not None:
+            on_hold(request.request_id, True)
         yield engine_pb2.WriteKVResponse(ready=engine_pb2.KVWriteReady())
         try:
             await asyncio.wait_for(landed, max(0.0, write_ends_at - time.monotonic()))
         except TimeoutError:
             raise UnavailableError("the sender's KV write did not land by its deadline") from None
-        await sink.finish_kv_write(request.request_id)
-        if hold is not None:
-            await hold(request.request_id, False)
+        if not plane.finishes_writes:  # else the agent's side completed it in the engine
+            await sink.finish_kv_write(request.request_id)
+        if on_hold is not None:
+            on_hold(request.request_id, False)
     except BaseException:
         # Refused, broken off, cancelled or late: nothing stays reserved (pages fenced).
         plane.forget(tag)

@@ -19,7 +19,7 @@ from grpc import aio
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.hold import holding
-from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane
+from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, KVWritePlane
 from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
 from engine_shim.backends.embedded.kv_plane.sender import (
     PEER_ERRORS,
@@ -52,15 +52,17 @@ async def write_kv(
     peers: PeerChannels,
     plane: KVWritePlane,
     addr: KVAddrInfo,
-    held: AbstractAsyncContextManager[Sequence[int]],
+    held: AbstractAsyncContextManager[Sequence[int] | None],
     *,
+    send_id: str,
     window_begin: int,
     write_timeout_s: float,
     hold_timeout_s: float = 300.0,
     times: WriteTimes | None = None,
 ) -> tuple[int, int]:
     """Write the held send's KV (slots of [window_begin, end)) into `addr`'s reservation;
-    (tokens, bytes) written. The receiver holds the reservation from the start (at most
+    (tokens, bytes) written. `held` yields the send's slots, or None where the plane reads
+    them itself (KVWritePlane.reads_held_slots: the engine's send `send_id`). The receiver holds the reservation from the start (at most
     `hold_timeout_s`), however long the engine queues the send. Raises UnavailableError when
     the peer or its agent fails, or the write does not land within `write_timeout_s` of the
     claim."""
@@ -72,7 +74,9 @@ async def write_kv(
     started = time.perf_counter()
     async with holding(peers.hold_stub, addr, hold_timeout_s), held as slots:
         times.hold_ms = (time.perf_counter() - started) * 1e3
-        local = np.asarray(slots[addr.begin - window_begin :], dtype=np.int64)
+        offset = addr.begin - window_begin
+        local = (HeldSlots(send_id, offset) if slots is None
+                 else np.asarray(slots[offset:], dtype=np.int64))
         remote = segment_slots(addr.kv_segments)
         num_bytes = await _claim_and_write(
             peers, plane, addr, offer, local, remote, write_timeout_s, times
@@ -85,7 +89,7 @@ async def _claim_and_write(
     plane: KVWritePlane,
     addr: KVAddrInfo,
     offer: NixlOffer,
-    local: np.ndarray,
+    local: np.ndarray | HeldSlots,
     remote: np.ndarray,
     write_timeout_s: float,
     times: WriteTimes,

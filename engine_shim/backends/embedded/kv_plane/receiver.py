@@ -117,7 +117,7 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         self, request: engine_pb2.WriteKVRequest, context: aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.WriteKVResponse]:
         sink = cast(KVWriteSink, self._sink)
-        async for event in receive_write(request, self._table, self._nixl(), sink, self._hold):
+        async for event in receive_write(request, self._table, self._nixl(), sink, self._on_hold):
             yield event
 
     @map_errors
