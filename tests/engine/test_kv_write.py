@@ -7,6 +7,7 @@ has passed, whatever ended it."""
 from __future__ import annotations
 
 import ctypes
+import queue
 import time
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from engine_shim.backends.embedded.kv_plane.nixl_descs import (
 )
 from engine_shim.engine.api import InvalidRequestError, NotFoundError
 from engine_shim.engine.block_manager import slot_segments
+from engine_shim.engine.core_loop import STOP, Call, CoreLoop
 from engine_shim.engine.disaggregation import WRITE_FENCE_MARGIN_S, SendReady
 from engine_shim.engine.llm_engine import LLMEngine
 
@@ -141,3 +143,30 @@ def test_a_write_holds_its_reservation_and_its_end_restarts_the_ttl(
     assert deadline is not None and deadline >= started + 5.0  # the TTL counts from the end
     assert decode.reap_expired_reservations(deadline + 0.1) == ["w"]
     assert decode.status().num_free_pages == decode.num_pages  # written, never started: freed
+
+
+class _Inbox:
+    """core_loop.Inbox over a queue.Queue (as the thread driver's)."""
+
+    def __init__(self, *items: Call | str) -> None:
+        self._queue: queue.Queue[Call | str] = queue.Queue()
+        for item in items:
+            self._queue.put(item)
+
+    def get(self, timeout: float | None) -> Call | str:
+        return self._queue.get_nowait() if timeout is None else self._queue.get(timeout=timeout)
+
+
+def test_a_call_nobody_waits_for_still_publishes_the_status(
+    make_engine: Callable[..., LLMEngine],
+) -> None:
+    """A send's release and an abort go to the core without a caller waiting (their RESULT is
+    not sent); the status must still go out once they ran, or GetStatus keeps reporting the
+    pages they freed as held until something else happens."""
+    engine = make_engine()
+    engine.prep_recv("r", random_prompt(12, 100), -1)
+    assert engine.status().num_free_pages < engine.num_pages
+    published: list[int] = []
+    inbox = _Inbox(Call(None, "abort", ("r",)), STOP)
+    CoreLoop(engine, inbox, lambda _batch, status: published.append(status.num_free_pages)).run()
+    assert published and published[-1] == engine.num_pages
