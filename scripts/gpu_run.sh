@@ -42,7 +42,8 @@ for step in $steps; do
       MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" timeout "${GPU_CAPACITY_TIMEOUT_S:-540}" \
         "$python" -m microserving.cli bench capacity --backend embedded --model llama-1b \
         --device cuda --streams ${GPU_STREAMS:-1 32 64 128} --input-len 256 --output-len 256 \
-        --requests-per-stream "${GPU_REQUESTS_PER_STREAM:-6}" --rounds "${GPU_ROUNDS:-3}" \
+        --requests-per-stream "${GPU_REQUESTS_PER_STREAM:-6}" --min-requests "${GPU_MIN_REQUESTS:-24}" \
+        --rounds "${GPU_ROUNDS:-3}" \
         --gateway-workers "${GPU_GATEWAY_WORKERS:-4}" --router-replicas "${GPU_ROUTER_REPLICAS:-2}" \
         ${GPU_CAPACITY_ARGS:-} --out "$out/capacity" 2>&1 | tee "$out/capacity.log" | tail -16 ;;
     prefill-ab|ab)
@@ -58,7 +59,8 @@ for step in $steps; do
           timeout "${AB_TIMEOUT_S:-300}" "$python" -m microserving.cli bench capacity --backend embedded \
           --model llama-1b --device cuda --patterns ${AB_PATTERNS:-round-robin} \
           --streams ${AB_STREAMS:-32 64 128} --input-len 256 --output-len 256 \
-          --requests-per-stream "${AB_REQUESTS_PER_STREAM:-4}" --rounds "${AB_ROUNDS:-2}" \
+          --requests-per-stream "${AB_REQUESTS_PER_STREAM:-4}" --min-requests "${AB_MIN_REQUESTS:-24}" \
+          --rounds "${AB_ROUNDS:-2}" \
           --gateway-workers 4 --router-replicas 2 ${AB_ARGS:-} --out "$out/${step}_$value" 2>&1 \
           | tee "$out/${step}_$value.log" | tail -6
       done ;;

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="requests per cell instead of a window: every token counts")
     load.add_argument("--requests-per-stream", type=int,
                       help="like --requests, streams x this many requests per cell")
+    p.add_argument("--min-requests", type=int, default=0,
+                   help="with --requests-per-stream: at least this many requests per cell (one "
+                        "stream's first-token median then rests on more than a handful)")
     p.add_argument("--warmup-s", type=float, default=3.0, help="timed cells: load before the window")
     p.add_argument("--rounds", type=int, default=1, help="rounds per cell (median and spread)")
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS,
@@ -103,7 +106,7 @@ def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
 def _num_requests(args: argparse.Namespace, spec: LoadSpec, streams: int) -> int | None:
     """A cell's request count (None: a timed cell)."""
     if args.requests_per_stream is not None:
-        return args.requests_per_stream * streams
+        return max(args.requests_per_stream * streams, args.min_requests)
     return spec.num_requests
 
 

@@ -57,3 +57,15 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
             assert 0 < calls["remote_send"]["p50_ms"] <= calls["remote_send"]["p99_ms"]
         else:
             assert calls == {}
+
+
+def test_min_requests_lifts_small_cells_only() -> None:
+    from bench.capacity.cli import _load_specs, _num_requests, build_parser
+
+    args = build_parser().parse_args(
+        ["--out", "x", "--requests-per-stream", "4", "--min-requests", "24"])
+    _, spec = _load_specs(args)
+    assert [_num_requests(args, spec, streams) for streams in (1, 4, 64)] == [24, 24, 256]
+    plain = build_parser().parse_args(["--out", "x", "--requests-per-stream", "4"])
+    _, spec = _load_specs(plain)
+    assert _num_requests(plain, spec, 1) == 4
