@@ -274,19 +274,22 @@ class AsyncEngine:
     @contextlib.asynccontextmanager
     async def held_send(
         self, request_id: str, token_ids: Sequence[int], begin: int, end: int, cache_salt: str = "",
-        *, fetch_slots: bool = True,
+        *, fetch_slots: bool = True, on_accepted: Callable[[], None] | None = None,
     ) -> AsyncIterator[list[int] | None]:
         """Compute KV of prompt[:end] and hold the job's pages: yields the pool slots of
         [begin, end), which a transfer engine reads in place (None with `fetch_slots` off:
         the core's side reads them itself, a round trip less); on exit the job is released
         (its pages to the prefix cache after a clean exit, freed otherwise). The release is
-        not awaited: the core runs it in order, before any later call."""
+        not awaited: the core runs it in order, before any later call. `on_accepted` is
+        called once the core has taken the job (for timing: queue and compute come after)."""
         ids = list(token_ids)
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
             await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt)
             is_released = False
+            if on_accepted is not None:
+                on_accepted()
             item = await stream.get()
             if isinstance(item, BaseException):
                 is_released = True

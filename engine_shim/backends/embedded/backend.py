@@ -251,11 +251,15 @@ class EmbeddedBackend:
     ) -> SendResult:
         assert self._nixl is not None  # checked by _can_write_nixl
         started = time.perf_counter()
+        times = WriteTimes()
+
+        def accepted() -> None:
+            times.accept_ms = (time.perf_counter() - started) * 1e3
+
         held = self.engine.held_send(
             request_id, list(token_ids), begin, end, sampling.cache_salt,
-            fetch_slots=not self._nixl.reads_held_slots,
+            fetch_slots=not self._nixl.reads_held_slots, on_accepted=accepted,
         )
-        times = WriteTimes()
         num_tokens, num_bytes = await write_kv(
             self._peers, self._nixl, addr, held,
             send_id=request_id, window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s,

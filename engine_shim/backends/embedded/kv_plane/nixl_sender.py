@@ -37,13 +37,14 @@ class WriteTimes:
     any), the claim's round trip, the transfer, the receiver's confirmation."""
 
     hold_ms: float = 0.0
+    accept_ms: float = 0.0  # of hold_ms: until the engine took the send (its call's round trip)
     claim_ms: float = 0.0
     transfer_ms: float = 0.0
     confirm_ms: float = 0.0
 
     def __str__(self) -> str:
         return (
-            f"hold {self.hold_ms:.1f}, claim {self.claim_ms:.1f}, "
+            f"hold {self.hold_ms:.1f} (accepted at {self.accept_ms:.1f}), claim {self.claim_ms:.1f}, "
             f"transfer {self.transfer_ms:.1f}, confirm {self.confirm_ms:.1f} ms"
         )
 
