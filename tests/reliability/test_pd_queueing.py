@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
 
 import grpc
@@ -120,7 +121,9 @@ async def _remote_send_line(prefill: Service) -> str:
 
 def _hold_ms(line: str) -> float:
     """How long the NIXL sender waited for its engine (queue + prefill), from its log line."""
-    return float(line.split("(hold ", 1)[1].split(",", 1)[0])
+    found = re.search(r"\(hold ([0-9.]+)", line)
+    assert found is not None, line
+    return float(found.group(1))
 
 
 async def test_prefill_stalled_past_the_ttl_ends_in_tokens_or_503_never_404(stack: dict[str, Service]) -> None:
