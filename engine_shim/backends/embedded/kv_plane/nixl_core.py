@@ -58,12 +58,10 @@ class NixlSide:
 
     ops = frozenset({_EXPECT, _FORGET, _LOAD, _DROP, _WRITE, _CANCEL})
 
-    def __init__(
-        self, agent: NixlAgent | None, reason: str = "", core: LLMEngine | None = None
-    ) -> None:
+    def __init__(self, core: LLMEngine, agent: NixlAgent | None, reason: str = "") -> None:
+        self._core = core  # reads held sends' slots, completes expected writes
         self._agent = agent
         self._reason = reason
-        self._core = core  # reads the slots of held sends (HeldSlots)
         self._expected: dict[bytes, tuple[str, str]] = {}  # tag -> (sender agent, request id)
         self._writes: dict[int, Any] = {}  # xfer id -> transfer handle
         self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
@@ -113,8 +111,6 @@ class NixlSide:
         self._writes[xfer_id] = handle  # poll() reports it, ended or not
 
     def _held_slots(self, ref: HeldSlots) -> np.ndarray:
-        if self._core is None:
-            raise UnavailableError("this side has no engine to read held sends from")
         # send_slots waits for the engine's pending KV writes (CUDA) before the read
         slots = self._core.send_slots(ref.request_id)
         return np.asarray(slots[ref.offset :], dtype=np.int64)
@@ -150,7 +146,7 @@ class NixlSide:
         completed in the engine here, in the loop's turn that saw it. Any other is passed on
         untouched (the shim logs and ignores it)."""
         expected = self._expected.get(tag)
-        if expected is None or expected[0] != sender or self._core is None:
+        if expected is None or expected[0] != sender:
             return ("notif", sender, tag, "")
         del self._expected[tag]
         try:
@@ -171,7 +167,7 @@ def nixl_side(core: LLMEngine, loopback: bool) -> NixlSide:
     """The core's side with an agent over its pool, or without one and the reason (NIXL
     missing or failing to start). `loopback`: the shim is bound to loopback, and so is UCX."""
     agent, reason = start_agent(core.kv_cache.kv, loopback)
-    return NixlSide(agent, reason, core)
+    return NixlSide(core, agent, reason)
 
 
 # ---- in the shim ----
