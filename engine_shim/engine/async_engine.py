@@ -268,6 +268,10 @@ class AsyncEngine:
     async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
         await self._call("begin_kv_write", request_id, write_ends_at)
 
+    def submit_begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        """begin_kv_write, not waited for: it runs before any call submitted after it."""
+        self._submit_nowait("begin_kv_write", request_id, write_ends_at)
+
     async def finish_kv_write(self, request_id: str) -> None:
         await self._call("finish_kv_write", request_id)
 

@@ -206,7 +206,10 @@ class CoreLoop:
             error = EngineError(f"internal engine error: {exc}")
         if call.call_id is not None:
             self._out.append((RESULT, call.call_id, value, error))
-        elif self._side is None or call.op not in self._side.ops:
+            return
+        if error is not None:  # nobody will see it otherwise
+            logger.warning("engine call %s, not waited for, failed: %s", call.op, error)
+        if self._side is None or call.op not in self._side.ops:
             # Nobody waits for it (an abort, a send's release), but what it changed must show
             # in GetStatus: an empty batch carries the status out now, not with the next one.
             self._out.append((EVENTS, []))

@@ -86,6 +86,9 @@ class SendJob:
     begin: int
     end: int
     is_ready: bool = False
+    # CUDA: recorded on the engine's stream when the job became ready, after every launch
+    # that wrote its pages; a transfer engine reads them once it has passed
+    computed: torch.cuda.Event | None = None
 
 
 class Disaggregation:
@@ -232,7 +235,11 @@ class Disaggregation:
         self.sends[seq.request_id] = SendJob(seq, begin, end)
 
     def mark_ready(self, request_id: str) -> None:
-        self.sends[request_id].is_ready = True
+        job = self.sends[request_id]
+        job.is_ready = True
+        if self.kv_cache.kv.is_cuda:
+            job.computed = torch.cuda.Event()
+            job.computed.record()
 
     def pop_send(self, request_id: str) -> SendJob | None:
         return self.sends.pop(request_id, None)
@@ -258,8 +265,11 @@ class Disaggregation:
 
     def send_slots(self, request_id: str) -> list[int]:
         job = self._ready_job(request_id)
-        if self.kv_cache.kv.is_cuda:
-            torch.cuda.synchronize(self.kv_cache.kv.device)  # the engine wrote them async
+        if job.computed is not None:
+            # The engine wrote them asynchronously. Only the launches up to the job's own are
+            # waited for, not a step launched since (a device-wide synchronize would stall the
+            # core for that step's whole forward).
+            job.computed.synchronize()
         return slots_for_positions(job.seq.block_table, self.page_size, job.begin, job.end)
 
     def _ready_job(self, request_id: str) -> SendJob:

@@ -208,6 +208,53 @@ async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_t
         assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
 
 
+def _core_pid(shim: ShimProcess) -> int:
+    """The engine core's process of a shim started with --engine-process on."""
+    import psutil
+
+    cores = [child.pid for child in psutil.Process(shim.process.pid).children()
+             if "spawn_main" in " ".join(child.cmdline())]
+    assert len(cores) == 1, cores
+    return cores[0]
+
+
+async def test_a_claim_under_a_confirmed_hold_goes_ahead_without_the_engine(process_core_shims):
+    """With a HoldKV the engine confirmed, the engine's reservation cannot expire: the claim's
+    `ready` comes while the engine core is stopped (under load it would wait for a whole
+    step), and the write it begins still reaches the engine before the abort that follows,
+    so the pages are fenced, then freed."""
+    decode_shim = process_core_shims["decode"]
+    core_pid = _core_pid(decode_shim)
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        info = await _reserve(stub, "nixl-held-claim", [t + 136 for t in PROMPT])
+        reserved = await free_pages(stub)
+        hold = _kv_stub(channel).HoldKV(engine_pb2.HoldKVRequest(
+            request_id=info["request_id"], reservation_token=info["reservation_token"]))
+        assert (await hold.read()).WhichOneof("event") == "held"
+        os.kill(core_pid, signal.SIGSTOP)
+        try:
+            call = _kv_stub(channel).WriteKV(
+                _write_request(info, "held-writer", write_deadline_ms=3000)
+            )
+            event = await asyncio.wait_for(call.read(), timeout=5)
+        finally:
+            os.kill(core_pid, signal.SIGCONT)
+        assert event.WhichOneof("event") == "ready"
+        call.cancel()  # the sender vanished mid-write
+        hold.cancel()
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        for _ in range(250):
+            if status.num_reserved_requests == 0:
+                break
+            await asyncio.sleep(0.02)
+            status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert status.num_reserved_requests == 0
+        assert status.num_free_kv_pages == reserved < baseline  # fenced: the write had begun
+        assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
+
+
 @pytest.fixture()
 def lone_receiver(tmp_path: Path) -> Iterator[ShimProcess]:
     shim = start_shim(tmp_path, "lone-d", "--role", "decode")

@@ -310,6 +310,9 @@ class EmbeddedBackend:
     async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
         await self.engine.begin_kv_write(request_id, write_ends_at)
 
+    def submit_begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        self.engine.submit_begin_kv_write(request_id, write_ends_at)
+
     async def finish_kv_write(self, request_id: str) -> None:
         await self.engine.finish_kv_write(request_id)
 

@@ -46,11 +46,16 @@ async def serve_hold(
     sender, its deadline, or MAX_HOLD_S)."""
     request_id = request.request_id
     ticket = table.hold(request_id, request.reservation_token)
+    is_engine_held = False
     try:
         await hold(request_id, True)
+        ticket.num_engine_holds += 1
+        is_engine_held = True
         yield engine_pb2.HoldKVResponse(held=engine_pb2.KVHeld())
         await asyncio.sleep(MAX_HOLD_S)
     finally:
+        if is_engine_held:  # before the let-go below, which may end the engine's hold
+            ticket.num_engine_holds -= 1
         # The engine's copy is let go only when no write fills the reservation now and no
         # other hold is open; a reservation consumed or aborted meanwhile has nothing to let go.
         if table.let_go(request_id, ticket):

@@ -156,8 +156,15 @@ class KVWritePlane(Protocol):
 
     async def write(
         self, offer: NixlOffer, local_slots: np.ndarray | HeldSlots, remote_slots: np.ndarray,
-        tag: bytes, *, deadline: float, should_stop: Callable[[], bool],
-    ) -> int: ...
+        tag: bytes, *, deadline: float, peer: asyncio.Future[Any],
+        peer_landed: Callable[[], bool],
+    ) -> int:
+        """Write `local_slots` of this pool into `remote_slots` of the offering peer's and
+        notify `tag` once it landed; bytes written. The write has ended once this side's
+        agent says so or once `peer` (the receiver's next event) completes with
+        `peer_landed()` true; UnavailableError (the transfer cancelled) when `peer` completes
+        otherwise, the write fails or `deadline` (monotonic) passes."""
+        ...
 
     def close(self) -> None: ...
 
@@ -361,22 +368,22 @@ class NixlPlane:
         tag: bytes,
         *,
         deadline: float,
-        should_stop: Callable[[], bool],
+        peer: asyncio.Future[Any],
+        peer_landed: Callable[[], bool],
     ) -> int:
-        """Write `local_slots` of this pool into `remote_slots` of the offering peer's and
-        notify `tag` once it landed; bytes written. Cancelled (its transfer with it) past
-        `deadline` (monotonic) or once `should_stop()` is true."""
+        """KVWritePlane.write. Once the peer confirmed, this side's transfer is still polled
+        to its end (releasing it earlier would cancel it), within the deadline."""
         if isinstance(local_slots, HeldSlots):
             raise TypeError("this plane writes slots fetched from the engine, not references")
         handle, state, num_bytes = self._agent.start_write(offer, local_slots, remote_slots, tag)
         try:
             poller = _Poller()
             while state == "PROC":
-                if should_stop() or time.monotonic() > deadline:
+                if peer.done() and not peer_landed() or time.monotonic() > deadline:
                     raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
                 await poller.wait()
                 state = self._agent.state(handle)
-            if state != "DONE":
+            if state != "DONE" and not peer_landed():
                 raise UnavailableError(f"KV write to agent {offer.agent} failed ({state})")
         finally:
             self._agent.release(handle)

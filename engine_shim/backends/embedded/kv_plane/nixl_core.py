@@ -37,11 +37,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# While a write runs, the shim checks this often whether it should give up on it.
-_STOP_CHECK_S = 0.005
-# A write just started is checked this long in a tight loop before the loop's next turn
-# (0.5 ms away when idle): a copy on one host usually ends within it.
+# A write just started is checked in a tight loop before the loop's next turn (0.5 ms away
+# when idle, a whole step away when busy) for this long plus its bytes at _SPIN_BYTES_PER_S:
+# a copy on one host usually ends within it, and the receiver's notification goes out only
+# from a check of this side's agent once the copy has ended.
 _WRITE_SPIN_S = 0.0002
+_SPIN_BYTES_PER_S = 200e9
 
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
@@ -101,11 +102,11 @@ class NixlSide:
         try:
             if isinstance(local, HeldSlots):
                 local = self._held_slots(local)
-            handle, state, _ = agent.start_write(offer, local, remote, tag)
+            handle, state, num_bytes = agent.start_write(offer, local, remote, tag)
         except EngineError as error:  # UnavailableError included
             self._ended.append(("write", xfer_id, "ERR", str(error)))
             return
-        spin_ends = time.perf_counter() + _WRITE_SPIN_S
+        spin_ends = time.perf_counter() + _WRITE_SPIN_S + num_bytes / _SPIN_BYTES_PER_S
         while state == "PROC" and time.perf_counter() < spin_ends:
             state = agent.state(handle)
         self._writes[xfer_id] = handle  # poll() reports it, ended or not
@@ -222,22 +223,35 @@ class CoreNixlPlane:
         tag: bytes,
         *,
         deadline: float,
-        should_stop: Callable[[], bool],
+        peer: asyncio.Future[Any],
+        peer_landed: Callable[[], bool],
     ) -> int:
+        """KVWritePlane.write. The receiver's confirmation usually comes first under load:
+        the core reports its side's end only between steps. The core then releases the
+        transfer itself once it ends; only a failed write is cancelled from here."""
         xfer_id = next(self._xfer_ids)
         ended: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         self._writes[xfer_id] = ended
+        is_over = False  # ended here, or landed at the peer
         try:
             self._engine.submit_side(_WRITE, xfer_id, offer, local_slots, remote_slots, tag)
             while not ended.done():
-                if should_stop() or time.monotonic() > deadline:
+                if peer.done():
+                    if not peer_landed():
+                        raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
+                    is_over = True
+                    return self.region.bytes_of(len(remote_slots))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
                     raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
-                await asyncio.wait({ended}, timeout=_STOP_CHECK_S)
+                await asyncio.wait({ended, peer}, timeout=remaining,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            is_over = True
             state, error = ended.result()
-            if state != "DONE":
+            if state != "DONE" and not peer_landed():
                 raise UnavailableError(f"KV write to agent {offer.agent} failed ({error or state})")
         finally:
-            if not ended.done():
+            if not is_over:
                 self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
             self._writes.pop(xfer_id, None)
         return self.region.bytes_of(len(remote_slots))  # the side checked they pair up

@@ -29,6 +29,11 @@ class KVWriteSink(Protocol):
 
     async def begin_kv_write(self, request_id: str, write_ends_at: float) -> None: ...
 
+    def submit_begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
+        """begin_kv_write without waiting for it: the engine runs it before any call made
+        after this one."""
+        ...
+
     async def finish_kv_write(self, request_id: str) -> None: ...
 
     async def abort(self, request_id: str) -> bool: ...
@@ -44,8 +49,9 @@ async def receive_write(
     """WriteKV's events: ready, then done. The engine holds the reservation from
     begin_kv_write to finish_kv_write (one call each, and an agent beside the engine core
     makes the second itself on the notification: a write then costs the receiver's engine
-    one round trip, the claim's); `on_hold` is told of both ends, like the holds of PushKV.
-    The write deadline still bounds the wait."""
+    one round trip, the claim's, and none while a HoldKV the engine confirmed holds the
+    reservation); `on_hold` is told of both ends, like the holds of PushKV. The write
+    deadline still bounds the wait."""
     if plane is None:
         raise InvalidRequestError("this shim offers no NIXL writes (see --kv-transport)")
     if not 0 < request.write_deadline_ms <= MAX_WRITE_DEADLINE_MS:
@@ -60,7 +66,14 @@ async def receive_write(
         ):
             raise InvalidRequestError("the write offer quoted is not the one this reservation made")
         landed = plane.expect(request.sender_agent, tag, request.request_id)
-        await sink.begin_kv_write(request.request_id, write_ends_at)
+        if ticket.num_engine_holds:
+            # A confirmed hold keeps the engine's reservation from expiring, and anything
+            # that could end it (an abort, another claim) comes after this in the engine's
+            # order and sees the write begun (its pages fenced): so the sender can go ahead
+            # without the engine's round trip, which under load waits for a whole step.
+            sink.submit_begin_kv_write(request.request_id, write_ends_at)
+        else:
+            await sink.begin_kv_write(request.request_id, write_ends_at)
         if on_hold is not None:
             on_hold(request.request_id, True)
         yield engine_pb2.WriteKVResponse(ready=engine_pb2.KVWriteReady())

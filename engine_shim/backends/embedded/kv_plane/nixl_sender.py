@@ -116,7 +116,7 @@ async def _claim_and_write(
         try:
             num_bytes = await plane.write(
                 offer, local, remote, addr.reservation_token.encode(),
-                deadline=deadline, should_stop=ended.done,
+                deadline=deadline, peer=ended, peer_landed=lambda: _is_done(ended),
             )
         except UnavailableError:
             if ended.done() and ended.exception() is not None:
@@ -133,6 +133,16 @@ async def _claim_and_write(
         for future in pending:
             future.cancel()
         call.cancel()  # a no-op once the call has ended
+
+
+def _is_done(future: asyncio.Future[Any]) -> bool:
+    """The receiver's next event came and is `done`: its transfer engine's notification
+    arrived, which it sends only once the write has landed. The write has then ended for
+    this side too, whether or not this side's agent has noticed yet."""
+    if not future.done() or future.cancelled() or future.exception() is not None:
+        return False
+    event = future.result()
+    return event is not aio.EOF and event.WhichOneof("event") == "done"
 
 
 def _lap(mark: float) -> tuple[float, float]:

@@ -22,6 +22,9 @@ class Ticket:
     is_receiving: bool = False
     write_digest: str | None = None  # of the NIXL write offer made with it, if any
     num_holds: int = 0  # open HoldKV calls (hold.py)
+    # of those, the ones whose hold the engine has confirmed: while any is, the engine's
+    # reservation cannot expire, so a write may begin without waiting for the engine
+    num_engine_holds: int = 0
 
     @property
     def is_held(self) -> bool:
