@@ -272,6 +272,9 @@ class AsyncEngine:
         """begin_kv_write, not waited for: it runs before any call submitted after it."""
         self._submit_nowait("begin_kv_write", request_id, write_ends_at)
 
+    async def cancel_kv_write(self, request_id: str, is_held: bool) -> None:
+        await self._call("cancel_kv_write", request_id, is_held)
+
     async def finish_kv_write(self, request_id: str) -> None:
         await self._call("finish_kv_write", request_id)
 

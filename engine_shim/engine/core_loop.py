@@ -39,7 +39,8 @@ SIDE = 3  # (SIDE, events): what the side (e.g. a KV transfer agent) reported, i
 
 # The core's methods a call may name (plus export_chunk below); nothing else is callable.
 OPS = frozenset({
-    "prep_recv", "import_kv", "abort", "begin_kv_write", "finish_kv_write", "remote_send",
+    "prep_recv", "import_kv", "abort", "begin_kv_write", "finish_kv_write", "cancel_kv_write",
+    "remote_send",
     "send_slots", "finish_remote_send", "hold_reservation", "start_generate", "export_windows",
 })
 

@@ -175,6 +175,14 @@ class Disaggregation:
         # The hold ends with the write: the TTL starts again for the start_generate to come.
         reservation.expires_at = time.monotonic() + self.config.reservation_ttl_s
 
+    def cancel_kv_write(self, request_id: str, is_held: bool) -> None:
+        reservation = self.reservations.get(request_id)
+        if reservation is None or reservation.write_ends_at is None:
+            raise NotFoundError(f"no KV write in progress for request {request_id!r}")
+        reservation.write_ends_at = None
+        ttl_s = self.config.reservation_ttl_s
+        reservation.expires_at = math.inf if is_held else time.monotonic() + ttl_s
+
     def hold_reservation(self, request_id: str, is_held: bool) -> None:
         reservation = self._reservation(request_id)
         ttl_s = self.config.reservation_ttl_s
@@ -240,6 +248,14 @@ class Disaggregation:
         if self.kv_cache.kv.is_cuda:
             job.computed = torch.cuda.Event()
             job.computed.record()
+
+    def send_is_ready(self, request_id: str) -> bool | None:
+        """None without such a send; on CUDA, ready once the device has run what wrote it
+        (not waited for)."""
+        job = self.sends.get(request_id)
+        if job is None:
+            return None
+        return job.is_ready and (job.computed is None or job.computed.query())
 
     def pop_send(self, request_id: str) -> SendJob | None:
         return self.sends.pop(request_id, None)

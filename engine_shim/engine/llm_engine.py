@@ -250,6 +250,18 @@ class LLMEngine:
         and the reservation's TTL starts again, now, for the start_generate to come."""
         self.disaggregation.finish_kv_write(request_id)
 
+    def cancel_kv_write(self, request_id: str, is_held: bool) -> None:
+        """The peer gave up its write before it wrote anything (it says so; a sender that
+        only vanishes is fenced by abort): no write is in flight, so an abort frees the
+        pages at once again. The reservation stays, held (`is_held`: a sender's hold is
+        still open) or with its TTL starting again."""
+        self.disaggregation.cancel_kv_write(request_id, is_held)
+
+    def send_is_ready(self, request_id: str) -> bool | None:
+        """Whether the send's KV is computed and written to its pages (None: no such send).
+        A transfer engine beside the core starts a write that waits for it once it is."""
+        return self.disaggregation.send_is_ready(request_id)
+
     def hold_reservation(self, request_id: str, is_held: bool) -> None:
         """A KV push into the reservation has begun (held: it does not expire while the
         sender computes and streams, however long the sender's queue) or has ended (its

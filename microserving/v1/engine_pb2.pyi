@@ -647,6 +647,53 @@ class GetStatusResponse(_message.Message):
 Global___GetStatusResponse: _TypeAlias = GetStatusResponse  # noqa: Y015
 
 @_typing.final
+class AbandonKVWriteRequest(_message.Message):
+    """Input of KVTransfer.AbandonKVWrite."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESERVATION_TOKEN_FIELD_NUMBER: _builtins.int
+    SENDER_AGENT_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Id of the request whose reservation was claimed."""
+    reservation_token: _builtins.str
+    """The reservation token from the receiver's kv_addr_info."""
+    sender_agent: _builtins.str
+    """The agent named in the claim (WriteKVRequest.sender_agent)."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        reservation_token: _builtins.str = ...,
+        sender_agent: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["request_id", b"request_id", "reservation_token", b"reservation_token", "sender_agent", b"sender_agent"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbandonKVWriteRequest: _TypeAlias = AbandonKVWriteRequest  # noqa: Y015
+
+@_typing.final
+class AbandonKVWriteResponse(_message.Message):
+    """The claim is given up: the reservation is open again, no write expected."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AbandonKVWriteResponse: _TypeAlias = AbandonKVWriteResponse  # noqa: Y015
+
+@_typing.final
 class WriteKVRequest(_message.Message):
     """Input of KVTransfer.WriteKV."""
 

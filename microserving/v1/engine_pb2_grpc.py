@@ -366,6 +366,11 @@ class KVTransferStub:
                 request_serializer=microserving_dot_v1_dot_engine__pb2.HoldKVRequest.SerializeToString,
                 response_deserializer=microserving_dot_v1_dot_engine__pb2.HoldKVResponse.FromString,
                 _registered_method=True)
+        self.AbandonKVWrite = channel.unary_unary(
+                '/microserving.v1.KVTransfer/AbandonKVWrite',
+                request_serializer=microserving_dot_v1_dot_engine__pb2.AbandonKVWriteRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_engine__pb2.AbandonKVWriteResponse.FromString,
+                _registered_method=True)
 
 
 class KVTransferServicer:
@@ -410,6 +415,20 @@ class KVTransferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def AbandonKVWrite(self, request, context):
+        """A one-sided sender that claimed a reservation with WriteKV and gives the claim up before
+        it wrote anything says so here, then ends its WriteKV call: the receiver ends the claim
+        without holding the pages back (the fence is for writes that may still land), and the
+        reservation stays open for another claim. A sender claims while its engine still
+        computes the KV, so that the write can start the moment the KV is there; when that
+        computation fails, is cancelled or outlasts the claim's deadline, it abandons the claim.
+        The receiver's WriteKV call ends without `done`. NOT_FOUND when this sender has no open
+        claim on the reservation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVTransferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -427,6 +446,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     servicer.HoldKV,
                     request_deserializer=microserving_dot_v1_dot_engine__pb2.HoldKVRequest.FromString,
                     response_serializer=microserving_dot_v1_dot_engine__pb2.HoldKVResponse.SerializeToString,
+            ),
+            'AbandonKVWrite': grpc.unary_unary_rpc_method_handler(
+                    servicer.AbandonKVWrite,
+                    request_deserializer=microserving_dot_v1_dot_engine__pb2.AbandonKVWriteRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_engine__pb2.AbandonKVWriteResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -512,6 +536,33 @@ class KVTransfer:
             '/microserving.v1.KVTransfer/HoldKV',
             microserving_dot_v1_dot_engine__pb2.HoldKVRequest.SerializeToString,
             microserving_dot_v1_dot_engine__pb2.HoldKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AbandonKVWrite(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/microserving.v1.KVTransfer/AbandonKVWrite',
+            microserving_dot_v1_dot_engine__pb2.AbandonKVWriteRequest.SerializeToString,
+            microserving_dot_v1_dot_engine__pb2.AbandonKVWriteResponse.FromString,
             options,
             channel_credentials,
             insecure,

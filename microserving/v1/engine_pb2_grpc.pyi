@@ -234,6 +234,16 @@ class KVTransferStub:
     is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
     reservation is gone (aborted, expired or consumed).
     """
+    AbandonKVWrite: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AbandonKVWriteRequest, _engine_pb2.AbandonKVWriteResponse]
+    """A one-sided sender that claimed a reservation with WriteKV and gives the claim up before
+    it wrote anything says so here, then ends its WriteKV call: the receiver ends the claim
+    without holding the pages back (the fence is for writes that may still land), and the
+    reservation stays open for another claim. A sender claims while its engine still
+    computes the KV, so that the write can start the moment the KV is there; when that
+    computation fails, is cancelled or outlasts the claim's deadline, it abandons the claim.
+    The receiver's WriteKV call ends without `done`. NOT_FOUND when this sender has no open
+    claim on the reservation.
+    """
 
 @_typing.type_check_only
 class KVTransferAsyncStub(KVTransferStub):
@@ -266,6 +276,16 @@ class KVTransferAsyncStub(KVTransferStub):
     has ended; the TTL then starts again. The receiver answers `held` once the reservation
     is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
     reservation is gone (aborted, expired or consumed).
+    """
+    AbandonKVWrite: _aio.UnaryUnaryMultiCallable[_engine_pb2.AbandonKVWriteRequest, _engine_pb2.AbandonKVWriteResponse]  # type: ignore[assignment]
+    """A one-sided sender that claimed a reservation with WriteKV and gives the claim up before
+    it wrote anything says so here, then ends its WriteKV call: the receiver ends the claim
+    without holding the pages back (the fence is for writes that may still land), and the
+    reservation stays open for another claim. A sender claims while its engine still
+    computes the KV, so that the write can start the moment the KV is there; when that
+    computation fails, is cancelled or outlasts the claim's deadline, it abandons the claim.
+    The receiver's WriteKV call ends without `done`. NOT_FOUND when this sender has no open
+    claim on the reservation.
     """
 
 class KVTransferServicer(metaclass=_abc_1.ABCMeta):
@@ -314,6 +334,22 @@ class KVTransferServicer(metaclass=_abc_1.ABCMeta):
         has ended; the TTL then starts again. The receiver answers `held` once the reservation
         is held and ends the call itself after MAX_HOLD_S (600 s) at most. NOT_FOUND when the
         reservation is gone (aborted, expired or consumed).
+        """
+
+    @_abc_1.abstractmethod
+    def AbandonKVWrite(
+        self,
+        request: _engine_pb2.AbandonKVWriteRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_engine_pb2.AbandonKVWriteResponse, _abc.Awaitable[_engine_pb2.AbandonKVWriteResponse]]:
+        """A one-sided sender that claimed a reservation with WriteKV and gives the claim up before
+        it wrote anything says so here, then ends its WriteKV call: the receiver ends the claim
+        without holding the pages back (the fence is for writes that may still land), and the
+        reservation stays open for another claim. A sender claims while its engine still
+        computes the KV, so that the write can start the moment the KV is there; when that
+        computation fails, is cancelled or outlasts the claim's deadline, it abandons the claim.
+        The receiver's WriteKV call ends without `done`. NOT_FOUND when this sender has no open
+        claim on the reservation.
         """
 
 def add_KVTransferServicer_to_server(servicer: KVTransferServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

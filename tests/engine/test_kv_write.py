@@ -170,3 +170,23 @@ def test_a_call_nobody_waits_for_still_publishes_the_status(
     inbox = _Inbox(Call(None, "abort", ("r",)), STOP)
     CoreLoop(engine, inbox, lambda _batch, status: published.append(status.num_free_pages)).run()
     assert published and published[-1] == engine.num_pages
+
+
+def test_a_write_given_up_before_it_started_leaves_nothing_fenced(make_engine) -> None:
+    """cancel_kv_write: the writer says it wrote nothing (it claimed while its engine computed,
+    then gave up). No write is in flight any more, so an abort frees the pages at once; the
+    reservation stays, held while the sender's hold is open, else with its TTL restarted."""
+    decode = make_engine(reservation_ttl_s=5.0)
+    decode.prep_recv("early", random_prompt(11, 100), -1)
+    with pytest.raises(NotFoundError):
+        decode.cancel_kv_write("early", True)  # no write began
+    now = time.monotonic()
+    decode.begin_kv_write("early", now + 100.0)
+    decode.cancel_kv_write("early", True)
+    assert decode.reap_expired_reservations(now + 10.0) == []  # held
+    decode.begin_kv_write("early", now + 100.0)  # claimed again, given up again
+    decode.cancel_kv_write("early", False)
+    assert decode.next_deadline() == pytest.approx(time.monotonic() + 5.0, abs=1.0)
+    assert decode.abort("early")
+    assert decode.status().num_free_pages == decode.num_pages  # not fenced
+    assert decode.next_deadline() is None

@@ -208,6 +208,41 @@ async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_t
         assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
 
 
+async def test_an_abandoned_claim_leaves_the_reservation_open_and_unfenced(
+    request: pytest.FixtureRequest, agent_home: str
+):
+    """A sender claims while its engine computes; when it gives up before writing it says so
+    (AbandonKVWrite): the receiver ends the claim's call without `done`, keeps the
+    reservation open for another claim, and an abort then frees the pages at once, where a
+    claim broken off without a word fences them until its deadline (a minute here)."""
+    decode_shim = _shim(request, agent_home, "decode")
+    channel, stub = engine_stub(decode_shim.address)
+    kv = _kv_stub(channel)
+    async with channel:
+        baseline = await free_pages(stub)
+        info = await _reserve(stub, "nixl-abandon", [t + 137 for t in PROMPT])
+
+        def abandon(agent: str) -> engine_pb2.AbandonKVWriteRequest:
+            return engine_pb2.AbandonKVWriteRequest(
+                request_id=info["request_id"], reservation_token=info["reservation_token"],
+                sender_agent=agent,
+            )
+
+        for writer in ("early-writer", "second-writer"):
+            call = kv.WriteKV(_write_request(info, writer, write_deadline_ms=60_000))
+            assert (await call.read()).WhichOneof("event") == "ready"
+            with pytest.raises(grpc.aio.AioRpcError) as wrong:
+                await kv.AbandonKVWrite(abandon("someone-else"))  # only the claimant may
+            assert wrong.value.code() == grpc.StatusCode.NOT_FOUND
+            await kv.AbandonKVWrite(abandon(writer))
+            assert await asyncio.wait_for(call.read(), timeout=10) is grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+            status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+            assert status.num_reserved_requests == 1  # open again, for the next claim
+        await stub.Abort(engine_pb2.AbortRequest(request_id=info["request_id"]))
+        assert await wait_for_free_pages(stub, baseline, within_s=10) == baseline
+
+
 def _core_pid(shim: ShimProcess) -> int:
     """The engine core's process of a shim started with --engine-process on."""
     import psutil

@@ -316,6 +316,9 @@ class EmbeddedBackend:
     async def finish_kv_write(self, request_id: str) -> None:
         await self.engine.finish_kv_write(request_id)
 
+    async def cancel_kv_write(self, request_id: str, is_held: bool) -> None:
+        await self.engine.cancel_kv_write(request_id, is_held)
+
     async def status(self) -> EngineStatus:
         return self.engine.status()
 

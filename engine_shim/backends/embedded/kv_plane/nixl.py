@@ -121,6 +121,11 @@ class _Poller:
         await asyncio.sleep(self._sleep_s)
 
 
+class WriteNotStarted(UnavailableError):
+    """A write was given up before anything of it was posted: nothing can land, so the
+    receiver need not fence the pages (the sender abandons its claim)."""
+
+
 @dataclass(frozen=True)
 class HeldSlots:
     """The local side of a write as a reference: the slots of the engine's held send
@@ -143,6 +148,9 @@ class KVWritePlane(Protocol):
     # a notification completes its write in the engine itself (finish_kv_write), before the
     # future of expect() is set (or set with the error that completion raised)
     finishes_writes: bool
+    # write() of HeldSlots may come before the send is computed: the agent's side posts it
+    # once the KV is written (the sender claims while the engine computes)
+    parks_writes: bool
 
     def offer(self) -> NixlOffer: ...
 
@@ -157,13 +165,14 @@ class KVWritePlane(Protocol):
     async def write(
         self, offer: NixlOffer, local_slots: np.ndarray | HeldSlots, remote_slots: np.ndarray,
         tag: bytes, *, deadline: float, peer: asyncio.Future[Any],
-        peer_landed: Callable[[], bool],
+        peer_landed: Callable[[], bool], stop: asyncio.Future[None] | None = None,
     ) -> int:
         """Write `local_slots` of this pool into `remote_slots` of the offering peer's and
         notify `tag` once it landed; bytes written. The write has ended once this side's
         agent says so or once `peer` (the receiver's next event) completes with
         `peer_landed()` true; UnavailableError (the transfer cancelled) when `peer` completes
-        otherwise, the write fails or `deadline` (monotonic) passes."""
+        otherwise, the write fails, `deadline` (monotonic) passes or `stop` is set, and
+        WriteNotStarted when it ended so before anything of it was posted."""
         ...
 
     def close(self) -> None: ...
@@ -324,6 +333,7 @@ class NixlPlane:
         self.mem_type = self._agent.mem_type
         self.reads_held_slots = False  # the engine thread's slots come to the loop first
         self.finishes_writes = False  # the receiving shim calls finish_kv_write
+        self.parks_writes = False  # writes start once the slots are here
         self._waits = NotificationWaits()
         self._listener: asyncio.Task[None] | None = None
 
@@ -370,6 +380,7 @@ class NixlPlane:
         deadline: float,
         peer: asyncio.Future[Any],
         peer_landed: Callable[[], bool],
+        stop: asyncio.Future[None] | None = None,
     ) -> int:
         """KVWritePlane.write. Once the peer confirmed, this side's transfer is still polled
         to its end (releasing it earlier would cancel it), within the deadline."""
@@ -379,7 +390,8 @@ class NixlPlane:
         try:
             poller = _Poller()
             while state == "PROC":
-                if peer.done() and not peer_landed() or time.monotonic() > deadline:
+                if (peer.done() and not peer_landed() or time.monotonic() > deadline
+                        or stop is not None and stop.done()):
                     raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
                 await poller.wait()
                 state = self._agent.state(handle)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -26,6 +27,7 @@ from engine_shim.backends.embedded.kv_plane.nixl import (
     HeldSlots,
     NixlAgent,
     NotificationWaits,
+    WriteNotStarted,
     offer_region,
     start_agent,
 )
@@ -44,6 +46,11 @@ logger = logging.getLogger(__name__)
 _WRITE_SPIN_S = 0.0002
 _SPIN_BYTES_PER_S = 200e9
 
+# The state a write ends in when it was dropped before anything was posted: nothing of it
+# can land, so the sender may abandon its claim (AbandonKVWrite) instead of leaving the
+# receiver to fence the pages.
+NOT_STARTED = "NOTSTARTED"
+
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
 _WRITE, _CANCEL = "nixl_write", "nixl_cancel"
@@ -55,7 +62,12 @@ class NixlSide:
     """The agent in the core's loop. Events back: ("notif", sender, tag, error) for every
     notification while writes are expected, the write of an expected one completed in the
     engine first (finish_kv_write: error "" or what it raised), so the receiving shim need not
-    ask the engine again; ("write", xfer_id, state, error) when a write of this side ends."""
+    ask the engine again; ("write", xfer_id, state, error) when a write of this side ends.
+
+    A write of a held send that is still computing is parked and posted in the first loop
+    turn that finds the send's KV written (the shim claims the receiver's slots while the
+    engine computes, so the write starts without another message from it); it ends
+    NOT_STARTED if the send ends first or its deadline passes while parked."""
 
     ops = frozenset({_EXPECT, _FORGET, _LOAD, _DROP, _WRITE, _CANCEL})
 
@@ -65,11 +77,13 @@ class NixlSide:
         self._reason = reason
         self._expected: dict[bytes, tuple[str, str]] = {}  # tag -> (sender agent, request id)
         self._writes: dict[int, Any] = {}  # xfer id -> transfer handle
+        # xfer id -> (offer, held send, remote slots, tag, deadline): waiting for the send
+        self._parked: dict[int, tuple[NixlOffer, HeldSlots, np.ndarray, bytes, float]] = {}
         self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
 
     @property
     def is_busy(self) -> bool:
-        return bool(self._writes or self._ended or self._expected)
+        return bool(self._writes or self._ended or self._expected or self._parked)
 
     def facts(self) -> tuple[NixlOffer | None, str]:
         return (None, self._reason) if self._agent is None else (self._agent.offer(), "")
@@ -90,13 +104,41 @@ class NixlSide:
         elif op == _WRITE:
             self._start_write(*args)
         elif op == _CANCEL:
+            # True: it was still parked, so nothing of it was posted
+            if self._parked.pop(args[0], None) is not None:
+                return True
             handle = self._writes.pop(args[0], None)
             if handle is not None:
                 agent.release(handle)
+            return False
         return None
 
     def _start_write(self, xfer_id: int, offer: NixlOffer, local: np.ndarray | HeldSlots,
-                     remote: np.ndarray, tag: bytes) -> None:
+                     remote: np.ndarray, tag: bytes, deadline: float = math.inf) -> None:
+        if isinstance(local, HeldSlots):
+            is_ready = self._core.send_is_ready(local.request_id)
+            if is_ready is None:
+                self._ended.append(("write", xfer_id, NOT_STARTED, "the send has ended"))
+                return
+            if not is_ready:
+                self._parked[xfer_id] = (offer, local, remote, tag, deadline)
+                return
+        self._post(xfer_id, offer, local, remote, tag)
+
+    def _post_parked(self) -> None:
+        now = time.monotonic()
+        for xfer_id, (offer, local, remote, tag, deadline) in list(self._parked.items()):
+            is_ready = self._core.send_is_ready(local.request_id)
+            if is_ready is None or now > deadline:
+                del self._parked[xfer_id]
+                why = "the send has ended" if is_ready is None else "its deadline passed"
+                self._ended.append(("write", xfer_id, NOT_STARTED, why))
+            elif is_ready:
+                del self._parked[xfer_id]
+                self._post(xfer_id, offer, local, remote, tag)
+
+    def _post(self, xfer_id: int, offer: NixlOffer, local: np.ndarray | HeldSlots,
+              remote: np.ndarray, tag: bytes) -> None:
         agent = self._agent
         assert agent is not None
         try:
@@ -119,6 +161,8 @@ class NixlSide:
     def poll(self) -> list[Any]:
         agent = self._agent
         assert agent is not None  # busy only once a call reached the agent
+        if self._parked:
+            self._post_parked()
         events, self._ended = self._ended, []
         if self._expected:
             try:
@@ -184,6 +228,7 @@ class CoreNixlPlane:
         self.mem_type = offer.mem_type
         self.reads_held_slots = True
         self.finishes_writes = True
+        self.parks_writes = True
         self._waits = NotificationWaits()
         self._writes: dict[int, asyncio.Future[tuple[str, str]]] = {}
         self._xfer_ids = itertools.count()
@@ -225,29 +270,37 @@ class CoreNixlPlane:
         deadline: float,
         peer: asyncio.Future[Any],
         peer_landed: Callable[[], bool],
+        stop: asyncio.Future[None] | None = None,
     ) -> int:
         """KVWritePlane.write. The receiver's confirmation usually comes first under load:
         the core reports its side's end only between steps. The core then releases the
-        transfer itself once it ends; only a failed write is cancelled from here."""
+        transfer itself once it ends; only a failed write is cancelled from here. A write of
+        a send still computing waits in the core (parked) until its KV is written."""
         xfer_id = next(self._xfer_ids)
         ended: asyncio.Future[tuple[str, str]] = asyncio.get_running_loop().create_future()
         self._writes[xfer_id] = ended
         is_over = False  # ended here, or landed at the peer
+        waits: set[asyncio.Future[Any]] = {ended, peer} if stop is None else {ended, peer, stop}
         try:
-            self._engine.submit_side(_WRITE, xfer_id, offer, local_slots, remote_slots, tag)
+            self._engine.submit_side(_WRITE, xfer_id, offer, local_slots, remote_slots, tag,
+                                     deadline)
             while not ended.done():
                 if peer.done():
                     if not peer_landed():
                         raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
                     is_over = True
                     return self.region.bytes_of(len(remote_slots))
+                if stop is not None and stop.done():
+                    is_over = True
+                    await self._withdraw(xfer_id, ended)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
-                await asyncio.wait({ended, peer}, timeout=remaining,
-                                   return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             is_over = True
             state, error = ended.result()
+            if state == NOT_STARTED:
+                raise WriteNotStarted(f"KV write to agent {offer.agent} not started: {error}")
             if state != "DONE" and not peer_landed():
                 raise UnavailableError(f"KV write to agent {offer.agent} failed ({error or state})")
         finally:
@@ -255,6 +308,18 @@ class CoreNixlPlane:
                 self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
             self._writes.pop(xfer_id, None)
         return self.region.bytes_of(len(remote_slots))  # the side checked they pair up
+
+    async def _withdraw(self, xfer_id: int, ended: asyncio.Future[tuple[str, str]]) -> None:
+        """Give a write up; raises WriteNotStarted when nothing of it was posted (it was still
+        parked, or the core had dropped it so: that event comes before the call's answer),
+        else UnavailableError (the core has cancelled it)."""
+        try:
+            was_parked = await self._engine.call_side(_CANCEL, xfer_id)
+        except EngineError:
+            was_parked = False
+        if was_parked or ended.done() and ended.result()[0] == NOT_STARTED:
+            raise WriteNotStarted("KV write withdrawn before it started")
+        raise UnavailableError("KV write withdrawn")
 
     def _on_events(self, events: list[Any]) -> None:
         for event in events:

@@ -36,6 +36,8 @@ class KVWriteSink(Protocol):
 
     async def finish_kv_write(self, request_id: str) -> None: ...
 
+    async def cancel_kv_write(self, request_id: str, is_held: bool) -> None: ...
+
     async def abort(self, request_id: str) -> bool: ...
 
 
@@ -51,14 +53,17 @@ async def receive_write(
     makes the second itself on the notification: a write then costs the receiver's engine
     one round trip, the claim's, and none while a HoldKV the engine confirmed holds the
     reservation); `on_hold` is told of both ends, like the holds of PushKV. The write
-    deadline still bounds the wait."""
+    deadline still bounds the wait. A claim its sender abandons (AbandonKVWrite: it wrote
+    nothing) ends the call without `done` and leaves the reservation open, unfenced."""
     if plane is None:
         raise InvalidRequestError("this shim offers no NIXL writes (see --kv-transport)")
     if not 0 < request.write_deadline_ms <= MAX_WRITE_DEADLINE_MS:
         raise InvalidRequestError(f"write_deadline_ms must be in (0, {MAX_WRITE_DEADLINE_MS}]")
     write_ends_at = time.monotonic() + request.write_deadline_ms / 1e3
     check_layout(layout_from_pb(request.layout), sink.kv_layout)
-    ticket = table.claim(request.request_id, request.reservation_token)
+    ticket = table.claim_write(request.request_id, request.reservation_token, request.sender_agent)
+    abandoned = ticket.abandoned
+    assert abandoned is not None
     tag = request.reservation_token.encode()
     try:
         if ticket.write_digest is None or not secrets.compare_digest(
@@ -77,10 +82,19 @@ async def receive_write(
         if on_hold is not None:
             on_hold(request.request_id, True)
         yield engine_pb2.WriteKVResponse(ready=engine_pb2.KVWriteReady())
-        try:
-            await asyncio.wait_for(landed, max(0.0, write_ends_at - time.monotonic()))
-        except TimeoutError:
-            raise UnavailableError("the sender's KV write did not land by its deadline") from None
+        await asyncio.wait({landed, abandoned}, timeout=max(0.0, write_ends_at - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if not landed.done() and abandoned.done():
+            # The sender wrote nothing (AbandonKVWrite): no fence, the reservation stays.
+            plane.forget(tag)
+            await sink.cancel_kv_write(request.request_id, ticket.num_holds > 0)
+            table.unclaim(ticket)
+            if on_hold is not None:
+                on_hold(request.request_id, False)
+            return
+        if not landed.done():
+            raise UnavailableError("the sender's KV write did not land by its deadline")
+        landed.result()  # completing it in the engine may have failed
         if not plane.finishes_writes:  # else the agent's side completed it in the engine
             await sink.finish_kv_write(request.request_id)
         if on_hold is not None:

@@ -8,6 +8,7 @@ for this reservation, only into the slots it reserved."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
@@ -19,7 +20,7 @@ from grpc import aio
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.hold import holding
-from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, KVWritePlane
+from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, KVWritePlane, WriteNotStarted
 from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
 from engine_shim.backends.embedded.kv_plane.sender import (
     PEER_ERRORS,
@@ -29,6 +30,20 @@ from engine_shim.backends.embedded.kv_plane.sender import (
 from engine_shim.convert import layout_to_pb
 from engine_shim.engine.api import UnavailableError
 from microserving.v1 import engine_pb2
+
+logger = logging.getLogger(__name__)
+
+# An abandon (AbandonKVWrite) and the receiver's end of the claim get this long each.
+_ABANDON_TIMEOUT_S = 2.0
+
+
+@dataclass
+class _Marks:
+    """When a claimed write's events came (perf_counter), as _claim_and_write saw them."""
+
+    ready: float = 0.0
+    written: float = 0.0
+    done: float = 0.0
 
 
 @dataclass
@@ -41,6 +56,15 @@ class WriteTimes:
     claim_ms: float = 0.0
     transfer_ms: float = 0.0
     confirm_ms: float = 0.0
+
+    def settle(self, started: float, computed: float, marks: _Marks) -> None:
+        """The phases from the send's start, the KV computed and the write's events: a
+        claim answered while the engine computed adds nothing, and the transfer counts from
+        the later of the two."""
+        self.hold_ms = (computed - started) * 1e3
+        self.claim_ms = max(0.0, marks.ready - computed) * 1e3
+        self.transfer_ms = max(0.0, marks.written - max(marks.ready, computed)) * 1e3
+        self.confirm_ms = max(0.0, marks.done - marks.written) * 1e3
 
     def __str__(self) -> str:
         return (
@@ -62,27 +86,94 @@ async def write_kv(
     times: WriteTimes | None = None,
 ) -> tuple[int, int]:
     """Write the held send's KV (slots of [window_begin, end)) into `addr`'s reservation;
-    (tokens, bytes) written. `held` yields the send's slots, or None where the plane reads
-    them itself (KVWritePlane.reads_held_slots: the engine's send `send_id`). The receiver holds the reservation from the start (at most
-    `hold_timeout_s`), however long the engine queues the send. Raises UnavailableError when
-    the peer or its agent fails, or the write does not land within `write_timeout_s` of the
-    claim."""
+    (tokens, bytes) written. `held` yields the send's slots once computed, or None where the
+    plane reads them itself (KVWritePlane.reads_held_slots: the engine's send `send_id`).
+    The receiver holds the reservation from the start (at most `hold_timeout_s`), however
+    long the engine queues the send. Where the plane parks writes (the agent beside the
+    engine core), the claim goes out at once and the write starts in the core the moment
+    the KV is computed (_write_early). Raises UnavailableError when the peer or its agent
+    fails, or the write does not land within `write_timeout_s` of its claim."""
     offer = addr.nixl
     if offer is None:
         raise UnavailableError("the receiver made no NIXL offer")
     times = WriteTimes() if times is None else times
     await plane.load_peer(offer)
     started = time.perf_counter()
-    async with holding(peers.hold_stub, addr, hold_timeout_s), held as slots:
-        times.hold_ms = (time.perf_counter() - started) * 1e3
-        offset = addr.begin - window_begin
-        local = (HeldSlots(send_id, offset) if slots is None
-                 else np.asarray(slots[offset:], dtype=np.int64))
-        remote = segment_slots(addr.kv_segments)
-        num_bytes = await _claim_and_write(
-            peers, plane, addr, offer, local, remote, write_timeout_s, times
-        )
+    offset = addr.begin - window_begin
+    remote = segment_slots(addr.kv_segments)
+    async with holding(peers.hold_stub, addr, hold_timeout_s):
+        if plane.parks_writes:
+            num_bytes = await _write_early(
+                peers, plane, addr, offer, HeldSlots(send_id, offset), remote, held,
+                write_timeout_s, times, started,
+            )
+        else:
+            async with held as slots:
+                times.hold_ms = (time.perf_counter() - started) * 1e3
+                local = (HeldSlots(send_id, offset) if slots is None
+                         else np.asarray(slots[offset:], dtype=np.int64))
+                computed, marks = time.perf_counter(), _Marks()
+                num_bytes = await _claim_and_write(
+                    peers, plane, addr, offer, local, remote, write_timeout_s, marks
+                )
+                times.settle(started, computed, marks)
     return addr.end - addr.begin, num_bytes
+
+
+async def _write_early(
+    peers: PeerChannels,
+    plane: KVWritePlane,
+    addr: KVAddrInfo,
+    offer: NixlOffer,
+    local: HeldSlots,
+    remote: np.ndarray,
+    held: AbstractAsyncContextManager[Sequence[int] | None],
+    write_timeout_s: float,
+    times: WriteTimes,
+    started: float,
+) -> int:
+    """Claim while the engine computes, and hand the core the write at once: it waits in
+    the core and starts in the first loop turn after the KV is written, so neither the
+    claim's round trip nor a message from here after the computation is on the send's path.
+    A claim whose deadline passes while the engine still computes is abandoned (nothing was
+    written) and made again once the KV is there. A send that fails or is cancelled gives
+    the write up before `held` lets the send's pages go, and abandons the claim when nothing
+    was posted, so the receiver does not fence its pages."""
+    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    marks = _Marks()
+    attempt = asyncio.ensure_future(_claim_and_write(
+        peers, plane, addr, offer, local, remote, write_timeout_s, marks, stop=stop
+    ))
+    try:
+        async with held:
+            computed = time.perf_counter()
+            try:
+                try:
+                    num_bytes = await asyncio.shield(attempt)
+                except WriteNotStarted:
+                    # the claim's deadline passed while the engine computed: claim again
+                    computed, marks = time.perf_counter(), _Marks()
+                    num_bytes = await _claim_and_write(
+                        peers, plane, addr, offer, local, remote, write_timeout_s, marks
+                    )
+            finally:
+                await _give_up(attempt, stop)  # before the send's pages are let go
+            times.settle(started, computed, marks)
+            return num_bytes
+    finally:
+        await _give_up(attempt, stop)  # the send failed before its KV was computed
+
+
+async def _give_up(attempt: asyncio.Future[int], stop: asyncio.Future[None]) -> None:
+    """Stop an early write still running and wait for its end (it withdraws the write from
+    the core and abandons or breaks off its claim)."""
+    if attempt.done():
+        if not attempt.cancelled():
+            attempt.exception()  # retrieved: the caller saw or does not need it
+        return
+    if not stop.done():
+        stop.set_result(None)
+    await asyncio.gather(attempt, return_exceptions=True)
 
 
 async def _claim_and_write(
@@ -93,9 +184,13 @@ async def _claim_and_write(
     local: np.ndarray | HeldSlots,
     remote: np.ndarray,
     write_timeout_s: float,
-    times: WriteTimes,
+    marks: _Marks,
+    *,
+    stop: asyncio.Future[None] | None = None,
 ) -> int:
-    mark = time.perf_counter()
+    """Claim the reservation (WriteKV), write once the receiver is ready, return once it
+    confirms; bytes written. `stop`, once set, gives the write up: WriteNotStarted (the
+    claim abandoned, nothing to fence) when nothing of it was posted."""
     deadline = time.monotonic() + write_timeout_s  # before the claim leaves: the receiver
     request = engine_pb2.WriteKVRequest(  # fences from its arrival, which is later
         request_id=addr.request_id,
@@ -109,23 +204,28 @@ async def _claim_and_write(
     pending: list[asyncio.Future[Any]] = []
     try:
         pending.append(asyncio.ensure_future(call.read()))
-        await _event(pending[-1], "ready", deadline)
-        mark, times.claim_ms = _lap(mark)
+        await _event(pending[-1], "ready", deadline, stop)
+        marks.ready = time.perf_counter()
         pending.append(asyncio.ensure_future(call.read()))
         ended = pending[-1]
         try:
             num_bytes = await plane.write(
                 offer, local, remote, addr.reservation_token.encode(),
-                deadline=deadline, peer=ended, peer_landed=lambda: _is_done(ended),
+                deadline=deadline, peer=ended, peer_landed=lambda: _is_done(ended), stop=stop,
             )
+        except WriteNotStarted:
+            raise
         except UnavailableError:
             if ended.done() and ended.exception() is not None:
                 await _event(ended, "done", deadline)  # raises the peer's own error
             raise
-        mark, times.transfer_ms = _lap(mark)
+        marks.written = time.perf_counter()
         await _event(ended, "done", deadline)
-        _, times.confirm_ms = _lap(mark)
+        marks.done = time.perf_counter()
         return num_bytes
+    except WriteNotStarted:
+        await _abandon(peers, addr, plane.name, call, pending[-1])
+        raise
     except UnavailableError:
         plane.drop_peer(offer.agent)  # reloaded from its next offer (it may have restarted)
         raise
@@ -133,6 +233,29 @@ async def _claim_and_write(
         for future in pending:
             future.cancel()
         call.cancel()  # a no-op once the call has ended
+
+
+async def _abandon(
+    peers: PeerChannels, addr: KVAddrInfo, agent: str, call: aio.UnaryStreamCall,
+    next_event: asyncio.Future[Any],
+) -> None:
+    """Tell the receiver that this claim wrote nothing (AbandonKVWrite), then wait for it to
+    end the WriteKV call: ending the call first would look like a write broken off, whose
+    pages it fences. Best effort: where either fails, the receiver fences until the
+    claim's deadline."""
+    request = engine_pb2.AbandonKVWriteRequest(
+        request_id=addr.request_id, reservation_token=addr.reservation_token, sender_agent=agent
+    )
+    try:
+        await peers.abandon_stub(addr.address)(request, timeout=_ABANDON_TIMEOUT_S)
+        ends = time.monotonic() + _ABANDON_TIMEOUT_S
+        event = await asyncio.wait_for(asyncio.shield(next_event), _ABANDON_TIMEOUT_S)
+        while event is not aio.EOF:  # a `ready` still on its way
+            event = await asyncio.wait_for(call.read(), max(0.0, ends - time.monotonic()))
+    except (aio.AioRpcError, TimeoutError) as error:
+        detail = error.details() if isinstance(error, aio.AioRpcError) else "no answer"
+        logger.info("abandoning the KV write claim of %s at %s failed (%s); its pages stay "
+                    "fenced until the claim's deadline", addr.request_id, addr.address, detail)
 
 
 def _is_done(future: asyncio.Future[Any]) -> bool:
@@ -150,8 +273,17 @@ def _lap(mark: float) -> tuple[float, float]:
     return now, (now - mark) * 1e3
 
 
-async def _event(future: asyncio.Future[Any], kind: str, deadline: float) -> None:
-    """Wait (until `deadline`) for the WriteKV event `kind`; the peer's error mapped."""
+async def _event(
+    future: asyncio.Future[Any], kind: str, deadline: float,
+    stop: asyncio.Future[None] | None = None,
+) -> None:
+    """Wait (until `deadline`) for the WriteKV event `kind`; the peer's error mapped.
+    WriteNotStarted once `stop` is set first."""
+    if stop is not None:
+        await asyncio.wait({future, stop}, timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=asyncio.FIRST_COMPLETED)
+        if stop.done() and not future.done():
+            raise WriteNotStarted(f"the KV write was given up before the receiver's {kind!r}")
     try:
         event = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
     except TimeoutError:

@@ -107,7 +107,13 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
             request_deserializer=engine_pb2.HoldKVRequest.FromString,
             response_serializer=engine_pb2.HoldKVResponse.SerializeToString,
         )
-        handlers = {"PushKV": handler, "WriteKV": write_handler, "HoldKV": hold_handler}
+        abandon_handler = grpc.unary_unary_rpc_method_handler(
+            self.AbandonKVWrite,
+            request_deserializer=engine_pb2.AbandonKVWriteRequest.FromString,
+            response_serializer=engine_pb2.AbandonKVWriteResponse.SerializeToString,
+        )
+        handlers = {"PushKV": handler, "WriteKV": write_handler, "HoldKV": hold_handler,
+                    "AbandonKVWrite": abandon_handler}
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)
         )
@@ -119,6 +125,13 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         sink = cast(KVWriteSink, self._sink)
         async for event in receive_write(request, self._table, self._nixl(), sink, self._on_hold):
             yield event
+
+    @map_errors
+    async def AbandonKVWrite(
+        self, request: engine_pb2.AbandonKVWriteRequest, context: aio.ServicerContext
+    ) -> engine_pb2.AbandonKVWriteResponse:
+        self._table.abandon(request.request_id, request.reservation_token, request.sender_agent)
+        return engine_pb2.AbandonKVWriteResponse()
 
     @map_errors
     async def HoldKV(

@@ -4,6 +4,7 @@ sender holds it (hold.py), gone once its TTL passes otherwise."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from dataclasses import dataclass
@@ -25,6 +26,9 @@ class Ticket:
     # of those, the ones whose hold the engine has confirmed: while any is, the engine's
     # reservation cannot expire, so a write may begin without waiting for the engine
     num_engine_holds: int = 0
+    # a NIXL claim (WriteKV): its sender's agent, and set when that sender abandons it
+    writer: str | None = None
+    abandoned: asyncio.Future[None] | None = None
 
     @property
     def is_held(self) -> bool:
@@ -64,6 +68,27 @@ class ReceiveTable:
         ticket.is_receiving = True  # a ticket being filled does not expire
         return ticket
 
+    def claim_write(self, request_id: str, token: str, sender_agent: str) -> Ticket:
+        """claim() for a NIXL write by `sender_agent`, which may abandon it (abandon())."""
+        ticket = self.claim(request_id, token)
+        ticket.writer = sender_agent
+        ticket.abandoned = asyncio.get_running_loop().create_future()
+        return ticket
+
+    def abandon(self, request_id: str, token: str, sender_agent: str) -> None:
+        """The claimed writer gives its claim up before writing (AbandonKVWrite)."""
+        ticket = self._live(request_id, token)
+        abandoned = ticket.abandoned
+        if ticket.writer != sender_agent or abandoned is None or abandoned.done():
+            raise NotFoundError(f"no open KV write claim on {request_id!r} by that agent")
+        abandoned.set_result(None)
+
+    def unclaim(self, ticket: Ticket) -> None:
+        """A claim ended with nothing written: the ticket is open again, its TTL restarted."""
+        ticket.is_receiving = False
+        ticket.writer = ticket.abandoned = None
+        ticket.expires_at_s = time.monotonic() + self._ttl_s
+
     def hold(self, request_id: str, token: str) -> Ticket:
         """One more holder of the ticket: it does not expire until every holder let go."""
         ticket = self._live(request_id, token)
@@ -92,6 +117,7 @@ class ReceiveTable:
         """A push into `ticket` completed: its stage can serve another reservation, and its
         TTL starts again."""
         ticket.is_receiving = False
+        ticket.writer = ticket.abandoned = None
         ticket.expires_at_s = time.monotonic() + self._ttl_s
         self._give_back(ticket, is_clean=True)
 

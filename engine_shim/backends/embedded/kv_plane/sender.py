@@ -51,6 +51,7 @@ PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 _PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
 _WRITE_KV_METHOD = "/microserving.v1.KVTransfer/WriteKV"
 _HOLD_KV_METHOD = "/microserving.v1.KVTransfer/HoldKV"
+_ABANDON_KV_WRITE_METHOD = "/microserving.v1.KVTransfer/AbandonKVWrite"
 # A push still running on an evicted channel gets this long to finish.
 _CLOSE_GRACE_S = 30.0
 
@@ -61,12 +62,13 @@ def _pass_through(message: bytes) -> bytes:
 
 @dataclass
 class _Peer:
-    """A peer's channel and its stubs (WriteKV and HoldKV made on first use)."""
+    """A peer's channel and its stubs (WriteKV, HoldKV, AbandonKVWrite made on first use)."""
 
     channel: aio.Channel
     push: aio.StreamUnaryMultiCallable
     write: aio.UnaryStreamMultiCallable | None = None
     hold: aio.UnaryStreamMultiCallable | None = None
+    abandon: aio.UnaryUnaryMultiCallable | None = None
 
 
 class PeerChannels:
@@ -126,6 +128,17 @@ class PeerChannels:
                 response_deserializer=engine_pb2.HoldKVResponse.FromString,
             )
         return peer.hold
+
+    def abandon_stub(self, address: str) -> aio.UnaryUnaryMultiCallable:
+        """KVTransfer.AbandonKVWrite of the peer (nixl_sender.py)."""
+        peer = self._peer(address)
+        if peer.abandon is None:
+            peer.abandon = peer.channel.unary_unary(
+                _ABANDON_KV_WRITE_METHOD,
+                request_serializer=engine_pb2.AbandonKVWriteRequest.SerializeToString,
+                response_deserializer=engine_pb2.AbandonKVWriteResponse.FromString,
+            )
+        return peer.abandon
 
     async def close(self) -> None:
         for peer in self._peers.values():

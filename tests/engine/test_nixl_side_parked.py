@@ -1,0 +1,106 @@
+"""The NIXL agent beside the engine core (nixl_core.NixlSide) with two real engines and two
+real NIXL agents in this process (UCX over host memory): a write of a send that is still
+computing waits in the core (parked) and is posted in the first poll after the send's KV is
+written, landing exactly the KV one engine alone computes; a parked write whose send ends
+first, or whose deadline passes, ends NOT_STARTED without posting anything; a parked write
+cancelled from the shim reports that nothing was posted. Skipped where NIXL cannot load."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from engine_test_utils import GREEDY, generate_alone, random_prompt, tokens_of
+
+from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, load_nixl, start_agent
+from engine_shim.backends.embedded.kv_plane.nixl_core import NOT_STARTED, NixlSide
+from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
+from engine_shim.engine.disaggregation import SendReady
+from engine_shim.engine.llm_engine import LLMEngine
+
+NIXL, WHY_NOT = load_nixl()
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]
+
+
+@pytest.fixture()
+def pair(make_engine: Callable[..., LLMEngine]) -> Iterator[tuple[LLMEngine, NixlSide, LLMEngine, NixlSide]]:
+    sides = []
+    engines = []
+    for _ in range(2):
+        engine = make_engine()
+        agent, reason = start_agent(engine.kv_cache.kv, loopback=True)
+        assert agent is not None, reason
+        engines.append(engine)
+        sides.append(NixlSide(engine, agent))
+    yield engines[0], sides[0], engines[1], sides[1]
+    for side in sides:
+        side.close()
+
+
+def _events(*sides: NixlSide, until: Callable[[list[tuple]], bool], within_s: float = 20.0) -> list[tuple]:
+    """Every side's events, polled together (UCX over TCP moves a write only while both
+    agents progress), until `until(events)`."""
+    deadline = time.monotonic() + within_s
+    events: list[tuple] = []
+    while not until(events):
+        assert time.monotonic() < deadline, f"not there in time; saw {events}"
+        for side in sides:
+            events += side.poll()
+    return events
+
+
+def test_a_write_parked_before_the_kv_is_computed_lands_once_it_is(
+    make_engine: Callable[..., LLMEngine], pair
+) -> None:
+    prefill, p_side, decode, d_side = pair
+    ids = random_prompt(21, 120)
+    expected = generate_alone(make_engine(), "ref", ids, GREEDY)
+    recv = decode.prep_recv("pd", ids, -1)
+    decode.begin_kv_write("pd", time.monotonic() + 60)
+    offer = d_side.facts()[0]
+    assert offer is not None
+    tag = b"reservation-token"
+    d_side.call("nixl_expect", (tag, p_side.facts()[0].agent, "pd"))  # type: ignore[union-attr]
+    assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
+    prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end)
+    remote = segment_slots(recv.kv_segments)
+    # The write comes before the engine computed anything: it waits, nothing posted.
+    p_side.call("nixl_write", (1, offer, HeldSlots("pd", 0), remote, tag, time.monotonic() + 60))
+    assert p_side.is_busy and p_side.poll() == []
+    while not any(isinstance(e, SendReady) for e in prefill.step()):
+        assert p_side.poll() == []  # still computing: still parked
+    # Posted in the first poll after: it ends, and the receiver's side completes the
+    # reservation in its engine on the notification.
+    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
+    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2)
+    assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
+    prefill.finish_remote_send("pd")
+    decode.start_generate("pd", ids, recv.end, GREEDY)
+    assert tokens_of(decode.run_until_done()["pd"]) == expected
+    assert not p_side.is_busy
+
+
+@pytest.mark.parametrize("ending", ["send aborted", "deadline passed", "cancelled"])
+def test_a_parked_write_that_cannot_start_posts_nothing(pair, ending: str) -> None:
+    prefill, p_side, decode, d_side = pair
+    ids = random_prompt(22, 80)
+    recv = decode.prep_recv("gone", ids, -1)
+    offer = d_side.facts()[0]
+    assert offer is not None
+    p_side.call("nixl_load_peer", (offer,))
+    prefill.remote_send("gone", ids, 0, recv.end)
+    deadline = time.monotonic() + (0.05 if ending == "deadline passed" else 60)
+    p_side.call("nixl_write", (7, offer, HeldSlots("gone", 0), segment_slots(recv.kv_segments),
+                               b"t", deadline))
+    if ending == "cancelled":
+        assert p_side.call("nixl_cancel", (7,)) is True  # it was parked: nothing posted
+        assert p_side.poll() == [] and not p_side.is_busy
+        return
+    if ending == "send aborted":
+        prefill.abort("gone")
+    else:
+        time.sleep(0.1)
+    [event] = _events(p_side, until=bool)
+    assert event[:3] == ("write", 7, NOT_STARTED)
+    assert not p_side.is_busy
