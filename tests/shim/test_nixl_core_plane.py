@@ -2,8 +2,11 @@
 write on whichever comes first: the core's report that its side ended, or the receiver's
 confirmation (its notification follows the data). Under load the core reports only between
 steps, so the confirmation usually wins; that is a landed write, not a failure, and the
-transfer is left for the core to release when it ends. The core here is a recorder of the
-ops the plane sends it, which never reports back, as a core busy in a long step."""
+transfer is left for the core to release when it ends. A write given up while it still
+waits in the core (parked: its send still computing) was never posted, so the sender
+abandons its claim and the receiver (a real decode shim here) keeps the reservation open and
+unfenced. The core here is a recorder of the ops the plane sends it, which never reports
+back, as a core busy in a long step; it answers a cancel as a core whose write was parked."""
 
 from __future__ import annotations
 
@@ -13,11 +16,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+from shim_helpers import PROMPT, engine_stub, free_pages, greedy, wait_for_free_pages
 
-from engine_shim.backends.embedded.kv_plane.addr import NixlOffer
-from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
+from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, WriteNotStarted, load_nixl
 from engine_shim.backends.embedded.kv_plane.nixl_core import CoreNixlPlane
+from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
+from engine_shim.backends.embedded.kv_plane.nixl_sender import _claim_and_write, _Marks
+from engine_shim.backends.embedded.kv_plane.sender import PeerChannels
 from engine_shim.engine.api import UnavailableError
+from microserving.transport import TransportSettings
+from microserving.v1 import engine_pb2
 
 OFFER = NixlOffer(agent="receiver", metadata="", mem_type="DRAM", device_id=0, base=4096,
                   num_planes=4, plane_bytes=1 << 20, slot_bytes=256)
@@ -32,6 +41,10 @@ class _BusyCore:
 
     def submit_side(self, op: str, *args: Any) -> None:
         self.ops.append(op)
+
+    async def call_side(self, op: str, *args: Any) -> object:
+        self.ops.append(op)
+        return True  # a cancel: the write was still parked
 
 
 async def _write(plane: CoreNixlPlane, peer: asyncio.Future[str]) -> int:
@@ -64,3 +77,39 @@ async def test_a_receiver_that_ends_otherwise_fails_the_write_and_cancels_it() -
     with pytest.raises(UnavailableError):
         await asyncio.wait_for(write, 5)
     assert core.ops == ["nixl_write", "nixl_cancel"]
+
+
+@pytest.mark.skipif(load_nixl()[0] is None, reason="NIXL cannot load here")
+async def test_a_write_given_up_while_parked_abandons_its_claim_unfenced(decode_shim) -> None:
+    channel, stub = engine_stub(decode_shim.address)
+    peers = PeerChannels(TransportSettings())
+    async with channel:
+        baseline = await free_pages(stub)
+        tokens = [t + 139 for t in PROMPT]
+        prep = await stub.PrepRecv(engine_pb2.PrepRecvRequest(
+            request_id="given-up", token_ids=tokens, end=-1, sampling=greedy()))
+        addr = KVAddrInfo.decode(prep.kv_addr_info)
+        assert addr.nixl is not None
+        core = _BusyCore()
+        plane = CoreNixlPlane(core, OFFER)  # type: ignore[arg-type]
+        stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        attempt = asyncio.ensure_future(_claim_and_write(
+            peers, plane, addr, addr.nixl, HeldSlots("given-up", 0),
+            segment_slots(addr.kv_segments), 60.0, _Marks(), stop=stop,
+        ))
+        for _ in range(1000):  # the claim's `ready` came: the write went to the core
+            if core.ops or attempt.done():
+                break
+            await asyncio.sleep(0.01)
+        assert core.ops == ["nixl_write"]
+        stop.set_result(None)
+        with pytest.raises(WriteNotStarted):
+            await attempt
+        assert core.ops == ["nixl_write", "nixl_cancel"]
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert status.num_reserved_requests == 1  # still open for another claim
+        await stub.Abort(engine_pb2.AbortRequest(request_id="given-up"))
+        # freed at once: a claim broken off without a word would fence them for a minute
+        assert await wait_for_free_pages(stub, baseline, within_s=10) == baseline
+    await peers.close()
+
