@@ -23,14 +23,18 @@ def check_request_id(request_id: object) -> str:
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int) -> list[int]:
+    """The ids as a list, each a plain int in [0, vocab_size). Checked with C-level passes
+    (the types in one set, then min and max): a per-token Python loop cost about 1 ms per
+    8k tokens in the engine core's loop, on every request."""
     ids = list(token_ids)
     if not ids:
         raise InvalidRequestError("prompt is empty")
-    for token in ids:
-        if not isinstance(token, int) or isinstance(token, bool):
-            raise InvalidRequestError("token ids must be integers")
-        if not 0 <= token < vocab_size:
-            raise InvalidRequestError(f"token id {token} outside the vocabulary [0, {vocab_size})")
+    if set(map(type, ids)) != {int}:  # bool is a subclass of int, and not a token id
+        raise InvalidRequestError("token ids must be integers")
+    low, high = min(ids), max(ids)
+    if low < 0 or high >= vocab_size:
+        token = low if low < 0 else high
+        raise InvalidRequestError(f"token id {token} outside the vocabulary [0, {vocab_size})")
     return ids
 
 
