@@ -1,5 +1,5 @@
 # side by side on one host: kv_bench (nixl) and disagg at 1 and 64 streams, new tree then old
-O=$1; R=/tmp/r; rm -rf $R /tmp/kv_bench_*; mkdir -p $R
+O=$1; R=/tmp/r; rm -rf $R /tmp/kv_bench_*; mkdir -p $R "$O"
 NEW=$PWD; OLD=$PWD/.ab/old
 finish() { cd $R && tar czf $O/res.tgz . ; }
 trap finish EXIT
