@@ -54,8 +54,8 @@ async def serve_hold(
         yield engine_pb2.HoldKVResponse(held=engine_pb2.KVHeld())
         await asyncio.sleep(MAX_HOLD_S)
     finally:
-        if is_engine_held:  # before the let-go below, which may end the engine's hold
-            ticket.num_engine_holds -= 1
+        if is_engine_held and ticket.num_engine_holds > 0:  # before the let-go below, which
+            ticket.num_engine_holds -= 1  # may end the engine's hold (a write's end did)
         # The engine's copy is let go only when no write fills the reservation now and no
         # other hold is open; a reservation consumed or aborted meanwhile has nothing to let go.
         if table.let_go(request_id, ticket):
