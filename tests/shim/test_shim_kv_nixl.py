@@ -91,6 +91,18 @@ def _write_request(info: dict, sender_agent: str, **changes: object) -> engine_p
     return engine_pb2.WriteKVRequest(**fields)
 
 
+async def _no_reservations(stub) -> engine_pb2.GetStatusResponse:
+    """D's status once its reservation is gone (an aborted claim's cleanup runs after the
+    call ends), or after 5 s."""
+    status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+    for _ in range(250):
+        if status.num_reserved_requests == 0:
+            break
+        await asyncio.sleep(0.02)
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+    return status
+
+
 def _kv_stub(channel: grpc.aio.Channel) -> engine_pb2_grpc.KVTransferAsyncStub:
     return engine_pb2_grpc.KVTransferStub(channel)  # type: ignore[return-value]
 
@@ -195,12 +207,7 @@ async def test_a_write_that_breaks_off_after_ready_fences_its_pages_then_frees_t
         )
         assert (await call.read()).WhichOneof("event") == "ready"
         call.cancel()  # the sender vanished mid-write
-        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
-        for _ in range(250):
-            if status.num_reserved_requests == 0:
-                break
-            await asyncio.sleep(0.02)
-            status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        status = await _no_reservations(stub)
         # The reservation is gone, but its pages are fenced: a late write may still land.
         assert status.num_reserved_requests == 0
         assert status.num_free_kv_pages == reserved < baseline
@@ -279,12 +286,7 @@ async def test_a_claim_under_a_confirmed_hold_goes_ahead_without_the_engine(proc
         assert event.WhichOneof("event") == "ready"
         call.cancel()  # the sender vanished mid-write
         hold.cancel()
-        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
-        for _ in range(250):
-            if status.num_reserved_requests == 0:
-                break
-            await asyncio.sleep(0.02)
-            status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        status = await _no_reservations(stub)
         assert status.num_reserved_requests == 0
         assert status.num_free_kv_pages == reserved < baseline  # fenced: the write had begun
         assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline

@@ -30,7 +30,7 @@ from engine_shim.engine.api import (
     UnavailableError,
 )
 from microserving.transport import FAULT_RECEIVER, TransportSettings, create_channel
-from microserving.v1 import engine_pb2
+from microserving.v1 import engine_pb2, engine_pb2_grpc
 
 
 class ReceiverUnavailableError(UnavailableError):
@@ -49,9 +49,6 @@ PEER_ERRORS: dict[grpc.StatusCode, type[EngineError]] = {
 
 
 _PUSH_KV_METHOD = "/microserving.v1.KVTransfer/PushKV"
-_WRITE_KV_METHOD = "/microserving.v1.KVTransfer/WriteKV"
-_HOLD_KV_METHOD = "/microserving.v1.KVTransfer/HoldKV"
-_ABANDON_KV_WRITE_METHOD = "/microserving.v1.KVTransfer/AbandonKVWrite"
 # A push still running on an evicted channel gets this long to finish.
 _CLOSE_GRACE_S = 30.0
 
@@ -62,13 +59,12 @@ def _pass_through(message: bytes) -> bytes:
 
 @dataclass
 class _Peer:
-    """A peer's channel and its stubs (WriteKV, HoldKV, AbandonKVWrite made on first use)."""
+    """A peer's channel, its PushKV callable (pre-encoded bytes out) and the generated
+    KVTransfer stub for the rest (made on first use)."""
 
     channel: aio.Channel
     push: aio.StreamUnaryMultiCallable
-    write: aio.UnaryStreamMultiCallable | None = None
-    hold: aio.UnaryStreamMultiCallable | None = None
-    abandon: aio.UnaryUnaryMultiCallable | None = None
+    kv: engine_pb2_grpc.KVTransferStub | None = None
 
 
 class PeerChannels:
@@ -107,38 +103,23 @@ class PeerChannels:
     def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
         return self._peer(address).push
 
+    def _kv(self, address: str) -> engine_pb2_grpc.KVTransferStub:
+        peer = self._peer(address)
+        if peer.kv is None:
+            peer.kv = engine_pb2_grpc.KVTransferStub(peer.channel)
+        return peer.kv
+
     def write_stub(self, address: str) -> aio.UnaryStreamMultiCallable:
         """KVTransfer.WriteKV of the peer (the handshake of a NIXL write)."""
-        peer = self._peer(address)
-        if peer.write is None:
-            peer.write = peer.channel.unary_stream(
-                _WRITE_KV_METHOD,
-                request_serializer=engine_pb2.WriteKVRequest.SerializeToString,
-                response_deserializer=engine_pb2.WriteKVResponse.FromString,
-            )
-        return peer.write
+        return self._kv(address).WriteKV  # type: ignore[return-value]
 
     def hold_stub(self, address: str) -> aio.UnaryStreamMultiCallable:
         """KVTransfer.HoldKV of the peer (hold.py)."""
-        peer = self._peer(address)
-        if peer.hold is None:
-            peer.hold = peer.channel.unary_stream(
-                _HOLD_KV_METHOD,
-                request_serializer=engine_pb2.HoldKVRequest.SerializeToString,
-                response_deserializer=engine_pb2.HoldKVResponse.FromString,
-            )
-        return peer.hold
+        return self._kv(address).HoldKV  # type: ignore[return-value]
 
     def abandon_stub(self, address: str) -> aio.UnaryUnaryMultiCallable:
         """KVTransfer.AbandonKVWrite of the peer (nixl_sender.py)."""
-        peer = self._peer(address)
-        if peer.abandon is None:
-            peer.abandon = peer.channel.unary_unary(
-                _ABANDON_KV_WRITE_METHOD,
-                request_serializer=engine_pb2.AbandonKVWriteRequest.SerializeToString,
-                response_deserializer=engine_pb2.AbandonKVWriteResponse.FromString,
-            )
-        return peer.abandon
+        return self._kv(address).AbandonKVWrite  # type: ignore[return-value]
 
     async def close(self) -> None:
         for peer in self._peers.values():
