@@ -47,20 +47,23 @@ class _BusyCore:
         return True  # a cancel: the write was still parked
 
 
-async def _write(plane: CoreNixlPlane, peer: asyncio.Future[str]) -> int:
-    return await plane.write(
-        OFFER, HeldSlots("req", 0), np.arange(8, dtype=np.int64), b"tag",
-        deadline=time.monotonic() + 30, peer=peer,
-        peer_landed=lambda: peer.done() and peer.result() == "done",
-    )
-
-
-async def test_the_receivers_confirmation_ends_a_write_the_core_has_not_reported() -> None:
+async def _started_write() -> tuple[_BusyCore, asyncio.Future[str], asyncio.Future[int]]:
+    """A write through a plane over a busy core, under way: (the core, the receiver's next
+    event to set, the write)."""
     core = _BusyCore()
     plane = CoreNixlPlane(core, OFFER)  # type: ignore[arg-type]
     peer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    write = asyncio.ensure_future(_write(plane, peer))
+    write = asyncio.ensure_future(plane.write(
+        OFFER, HeldSlots("req", 0), np.arange(8, dtype=np.int64), b"tag",
+        deadline=time.monotonic() + 30, peer=peer,
+        peer_landed=lambda: peer.done() and peer.result() == "done",
+    ))
     await asyncio.sleep(0.05)
+    return core, peer, write
+
+
+async def test_the_receivers_confirmation_ends_a_write_the_core_has_not_reported() -> None:
+    core, peer, write = await _started_write()
     assert not write.done()  # neither side has said anything yet
     peer.set_result("done")
     assert await asyncio.wait_for(write, 5) == OFFER.num_planes * 8 * OFFER.slot_bytes
@@ -68,11 +71,7 @@ async def test_the_receivers_confirmation_ends_a_write_the_core_has_not_reported
 
 
 async def test_a_receiver_that_ends_otherwise_fails_the_write_and_cancels_it() -> None:
-    core = _BusyCore()
-    plane = CoreNixlPlane(core, OFFER)  # type: ignore[arg-type]
-    peer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-    write = asyncio.ensure_future(_write(plane, peer))
-    await asyncio.sleep(0.05)
+    core, peer, write = await _started_write()
     peer.set_result("eof")
     with pytest.raises(UnavailableError):
         await asyncio.wait_for(write, 5)

@@ -143,14 +143,13 @@ class KVWritePlane(Protocol):
     name: str
     region: PoolRegion
     mem_type: str
-    # write() takes HeldSlots for its local side (the agent sits beside the engine core)
+    # write() takes HeldSlots for its local side (the agent sits beside the engine core),
+    # also before the send is computed: the agent's side posts the write once the KV is
+    # written, so the sender claims while the engine computes (nixl_sender._write_early)
     reads_held_slots: bool
     # a notification completes its write in the engine itself (finish_kv_write), before the
     # future of expect() is set (or set with the error that completion raised)
     finishes_writes: bool
-    # write() of HeldSlots may come before the send is computed: the agent's side posts it
-    # once the KV is written (the sender claims while the engine computes)
-    parks_writes: bool
 
     def offer(self) -> NixlOffer: ...
 
@@ -333,7 +332,6 @@ class NixlPlane:
         self.mem_type = self._agent.mem_type
         self.reads_held_slots = False  # the engine thread's slots come to the loop first
         self.finishes_writes = False  # the receiving shim calls finish_kv_write
-        self.parks_writes = False  # writes start once the slots are here
         self._waits = NotificationWaits()
         self._listener: asyncio.Task[None] | None = None
 

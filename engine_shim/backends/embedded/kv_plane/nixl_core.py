@@ -228,7 +228,6 @@ class CoreNixlPlane:
         self.mem_type = offer.mem_type
         self.reads_held_slots = True
         self.finishes_writes = True
-        self.parks_writes = True
         self._waits = NotificationWaits()
         self._writes: dict[int, asyncio.Future[tuple[str, str]]] = {}
         self._xfer_ids = itertools.count()

@@ -89,8 +89,8 @@ async def write_kv(
     (tokens, bytes) written. `held` yields the send's slots once computed, or None where the
     plane reads them itself (KVWritePlane.reads_held_slots: the engine's send `send_id`).
     The receiver holds the reservation from the start (at most `hold_timeout_s`), however
-    long the engine queues the send. Where the plane parks writes (the agent beside the
-    engine core), the claim goes out at once and the write starts in the core the moment
+    long the engine queues the send. Where the plane reads them itself (the agent beside
+    the engine core), the claim goes out at once and the write starts in the core the moment
     the KV is computed (_write_early). Raises UnavailableError when the peer or its agent
     fails, or the write does not land within `write_timeout_s` of its claim."""
     offer = addr.nixl
@@ -102,16 +102,15 @@ async def write_kv(
     offset = addr.begin - window_begin
     remote = segment_slots(addr.kv_segments)
     async with holding(peers.hold_stub, addr, hold_timeout_s):
-        if plane.parks_writes:
+        if plane.reads_held_slots:
             num_bytes = await _write_early(
                 peers, plane, addr, offer, HeldSlots(send_id, offset), remote, held,
                 write_timeout_s, times, started,
             )
         else:
             async with held as slots:
-                times.hold_ms = (time.perf_counter() - started) * 1e3
-                local = (HeldSlots(send_id, offset) if slots is None
-                         else np.asarray(slots[offset:], dtype=np.int64))
+                assert slots is not None  # fetched: this plane does not read them itself
+                local = np.asarray(slots[offset:], dtype=np.int64)
                 computed, marks = time.perf_counter(), _Marks()
                 num_bytes = await _claim_and_write(
                     peers, plane, addr, offer, local, remote, write_timeout_s, marks

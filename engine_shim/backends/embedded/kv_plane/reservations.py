@@ -116,12 +116,10 @@ class ReceiveTable:
     def finish(self, ticket: Ticket) -> None:
         """A push into `ticket` completed: its stage can serve another reservation, and its
         TTL starts again."""
-        ticket.is_receiving = False
-        ticket.writer = ticket.abandoned = None
+        self.unclaim(ticket)
         # the engine ended its hold with the write (finish_kv_write restarts its TTL): a
         # later claim waits for the engine again, even under a HoldKV still open
         ticket.num_engine_holds = 0
-        ticket.expires_at_s = time.monotonic() + self._ttl_s
         self._give_back(ticket, is_clean=True)
 
     def close(self, request_id: str) -> None:
