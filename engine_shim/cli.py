@@ -42,6 +42,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--prefill-chunk-size", int, "prompt tokens one engine step computes (embedded)"),
     ("--enable-prefix-cache", str, "true | false: reuse KV of shared prompt prefixes (embedded)"),
     ("--cuda-graphs", str, "true | false: replay CUDA graphs for decode steps (embedded, CUDA)"),
+    ("--mixed-cuda-graphs", str, "true | false: steps that prefill replay CUDA graphs too, one "
+     "a token-count bucket (embedded, CUDA, with --cuda-graphs)"),
     ("--paged-prefill", str, "true | false: a step's prompts in one Triton kernel launch a "
      "layer (embedded, CUDA; false: one attention call per prompt)"),
     ("--prefill-hold-ms", float, "while requests decode, a new prompt waits up to this long for "

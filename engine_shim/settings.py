@@ -63,6 +63,10 @@ class ShimSettings(BaseSettings):
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     cuda_graphs: bool = Field(True, description="Replay captured CUDA graphs for decode steps.")
+    mixed_cuda_graphs: bool = Field(
+        True, description="With cuda_graphs: steps that prefill (beside decodes or alone) "
+        "replay graphs captured per token-count bucket too (false: eager, as before).",
+    )
     paged_prefill: bool = Field(
         True, description="CUDA: a step's prefilling sequences in one Triton kernel launch a "
         "layer (false: one attention call per sequence, the reference).",

@@ -56,6 +56,16 @@ class MixedDecode:
 
 
 @dataclass
+class StaticMixed:
+    """A step that prefills, in the static shapes of a captured graph (mixed_graphs.py): the
+    decode kernel runs over every row (rows that do not decode have no keys and come out
+    zero), then the prefill kernel overwrites the prefill rows; both read one block table."""
+
+    decode: PagedDecode  # context_lens: [T], 0 for rows that do not decode
+    prefill: PagedPrefill  # tiles past the step's own hold no queries
+
+
+@dataclass
 class AttnContext:
     """Everything attention needs for one forward pass, shared by all layers."""
 
@@ -66,6 +76,7 @@ class AttnContext:
     paged_decode: PagedDecode | None = None  # CUDA decode through the Triton kernel
     mixed_decode: MixedDecode | None = None  # CUDA: the decode rows of a mixed step
     paged_prefill: PagedPrefill | None = None  # CUDA: every prefilling sequence, one kernel
+    static_mixed: StaticMixed | None = None  # CUDA: a mixed step in a graph's static shapes
 
 
 def build_decode_batch(seqs: list[SeqAttnInfo], sliding_window: int | None) -> DecodeBatch:
@@ -98,6 +109,14 @@ def paged_attention(
     """q: [T, Hq, D] -> out: [T, Hq, D]; K/V of the new tokens are already in the cache."""
     num_heads, num_kv_heads = q.shape[1], k_cache.shape[1]
     group = num_heads // num_kv_heads
+    if ctx.static_mixed is not None:
+        decode = ctx.static_mixed.decode
+        out = paged_decode_attention(
+            q, k_cache, v_cache, decode.block_tables, decode.context_lens, decode.page_size, scale,
+            num_splits=1,  # a split of an empty context would merge to 0/0
+        )
+        paged_prefill_attention(q, k_cache, v_cache, out, ctx.static_mixed.prefill, scale)
+        return out
     if ctx.paged_decode is not None:
         meta = ctx.paged_decode
         return paged_decode_attention(

@@ -193,6 +193,9 @@ class EngineConfig:
     kv_export_chunk_bytes: int | None = None
     max_context_length: int | None = None  # None: the model's max_position_embeddings
     cuda_graphs: bool = True  # on CUDA, replay captured graphs for decode steps
+    # With cuda_graphs and paged_prefill: steps that prefill (beside decodes or alone) replay
+    # graphs captured per token-count bucket too (mixed_graphs.py); False runs them eagerly.
+    mixed_cuda_graphs: bool = True
     # On CUDA, a step's prefilling sequences go through one Triton kernel launch a layer
     # (triton_prefill.py); False: one SDPA per sequence, the reference (for comparisons).
     paged_prefill: bool = True

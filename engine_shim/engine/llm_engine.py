@@ -674,4 +674,7 @@ class LLMEngine:
         self.runner.run([ScheduledSeq(seq, 2)], [True])
         self.block_manager.release(page)
         if self.config.cuda_graphs:
-            self.runner.capture_cuda_graphs(self.config.max_num_seqs, self.max_context_length)
+            self.runner.capture_cuda_graphs(
+                self.config.max_num_seqs, self.max_context_length,
+                self.config.prefill_chunk_size if self.config.mixed_cuda_graphs else None,
+            )

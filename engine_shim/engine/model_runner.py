@@ -22,6 +22,7 @@ from .attention import AttnContext, MixedDecode, PagedDecode, SeqAttnInfo, build
 from .config import ModelConfig
 from .cuda_graphs import DecodeGraphRunner, DecodeInputs, Feed, ReadBack
 from .kv_cache import KVCache
+from .mixed_graphs import MixedGraphRunner, MixedLayout
 from .model import CausalLM
 from .scheduler import ScheduledSeq
 from .triton_prefill import PrefillRows, build_paged_prefill
@@ -85,9 +86,14 @@ class ModelRunner:
         )
         self.use_paged_prefill = paged_prefill  # with use_paged_kernels
         self.graphs: DecodeGraphRunner | None = None
+        self.mixed_graphs: MixedGraphRunner | None = None
 
-    def capture_cuda_graphs(self, max_batch: int, max_context_length: int) -> None:
-        """Capture decode graphs for batches up to max_batch (CUDA with the Triton kernel)."""
+    def capture_cuda_graphs(
+        self, max_batch: int, max_context_length: int, max_prefill_tokens: int | None = None,
+    ) -> None:
+        """Capture decode graphs for batches up to max_batch (CUDA with the Triton kernel),
+        and with max_prefill_tokens graphs of steps that prefill (mixed_graphs.py) for up to
+        max_batch decode rows plus that many prompt tokens."""
         if not self.use_paged_kernels or self.device.type != "cuda":
             return
         max_pages = -(-max_context_length // self.page_size)
@@ -97,6 +103,22 @@ class ModelRunner:
         )
         runner.capture()
         self.graphs = runner
+        if max_prefill_tokens and self.use_paged_prefill:
+            mixed = self.static_mixed_runner(max_batch, max_context_length, max_prefill_tokens)
+            mixed.capture()
+            self.mixed_graphs = mixed
+
+    def static_mixed_runner(
+        self, max_batch: int, max_context_length: int, max_prefill_tokens: int,
+    ) -> MixedGraphRunner:
+        """The static-shape runner of steps that prefill; `capture_cuda_graphs` captures its
+        graphs on CUDA. Set as `mixed_graphs` uncaptured (the CPU tests under Triton's
+        interpreter), it runs the same static-shape forward eagerly."""
+        return MixedGraphRunner(
+            self.model, self.kv_cache.kv, self.page_size, self.kv_cache.scratch_slot,
+            max_tokens=max_batch + max_prefill_tokens, max_decode_rows=max_batch,
+            max_pages_per_seq=-(-max_context_length // self.page_size),
+        )
 
     @torch.inference_mode()
     def run(
@@ -110,22 +132,22 @@ class ModelRunner:
             raise ValueError("only a decode batch whose every row samples can be fed")
         if self.use_paged_kernels and (feed is not None or _is_pure_decode(batch)):
             return self._run_paged_decode(batch, needs_logits, feed)
+        if self.use_paged_kernels and self.use_paged_prefill and feed is None:
+            return self._run_mixed(batch, needs_logits)
         input_ids: list[int] = []
         positions: list[int] = []
         slot_mapping: list[int] = []
         seq_infos: list[SeqAttnInfo] = []
         last_token_rows: list[int] = []
         sampled_index: list[int] = []
-        # CUDA: a step that prefills runs its decode rows through the Triton decode kernel in
-        # one launch and its prefilling sequences through the prefill kernel in another (a
-        # loop over every sequence made such a step ~30x slower at 128 running sequences).
-        # Their slots are computed here on the host: no device round trip.
+        # The reference path (and CUDA with paged_prefill off): each prefilling sequence
+        # through SDPA; on CUDA the decode rows of the step through the Triton decode kernel
+        # in one launch.
         paged = self.use_paged_kernels and feed is None
         page_size = self.page_size
         decode_rows: list[int] = []
         decode_tables: list[list[int]] = []
         decode_lens: list[int] = []
-        prefills: list[PrefillRows] = []
         for i, item in enumerate(batch):
             seq, begin = item.seq, item.seq.num_computed_tokens
             end = begin + item.num_tokens
@@ -137,11 +159,6 @@ class ModelRunner:
                 input_ids.append(seq.token_ids[begin])
                 positions.append(begin)
                 slot_mapping.append(table[begin // page_size] * page_size + begin % page_size)
-            elif paged and self.use_paged_prefill:
-                prefills.append(PrefillRows(len(input_ids), item.num_tokens, end, table))
-                input_ids.extend(seq.token_ids[begin:end])
-                positions.extend(range(begin, end))
-                slot_mapping.extend(table[p // page_size] * page_size + p % page_size for p in range(begin, end))
             else:
                 slots = self._slots(seq.block_table, end)  # [end]
                 seq_infos.append(SeqAttnInfo(len(input_ids), item.num_tokens, end, slots))
@@ -160,15 +177,7 @@ class ModelRunner:
             sliding_window=self.config.sliding_window,
         )
         if decode_rows:
-            width = max(len(table) for table in decode_tables)
-            tables = [table + [0] * (width - len(table)) for table in decode_tables]
-            ctx.mixed_decode = MixedDecode(
-                torch.tensor(decode_rows, dtype=torch.int64, device=self.device),
-                PagedDecode(torch.tensor(tables, dtype=torch.int32, device=self.device),
-                            torch.tensor(decode_lens, dtype=torch.int32, device=self.device),
-                            self.page_size))
-        if prefills:
-            ctx.paged_prefill = build_paged_prefill(prefills, page_size, self.device)
+            ctx.mixed_decode = self._mixed_decode(decode_rows, decode_tables, decode_lens)
         elif len(seq_infos) > 1 and all(s.q_len == 1 for s in seq_infos):
             ctx.decode = build_decode_batch(seq_infos, self.config.sliding_window)
         ids_t = (
@@ -187,6 +196,80 @@ class ModelRunner:
         logits = self.model.logits(hidden.index_select(0, rows))
         keep = (feed is not None or keep_argmax) and len(sampled_index) == len(batch) and _is_fed_decode(batch)
         return RunResult(logits, sampled_index, logits.argmax(dim=-1) if keep else None)
+
+    def _mixed_decode(
+        self, rows: list[int], tables: list[list[int]], lens: list[int]
+    ) -> MixedDecode:
+        width = max(len(table) for table in tables)
+        padded = [table + [0] * (width - len(table)) for table in tables]
+        return MixedDecode(
+            torch.tensor(rows, dtype=torch.int64, device=self.device),
+            PagedDecode(torch.tensor(padded, dtype=torch.int32, device=self.device),
+                        torch.tensor(lens, dtype=torch.int32, device=self.device),
+                        self.page_size))
+
+    def _run_mixed(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> RunResult:
+        """A step that prefills, on the paged kernels: laid out decode rows first, replayed
+        from a captured graph when one fits (mixed_graphs.py), otherwise run eagerly (the
+        decode rows through the decode kernel in one launch, every prefilling sequence
+        through the prefill kernel in another). Slots are computed on the host."""
+        step = self.layout_mixed(batch, needs_logits)
+        sampled_index = [i for i, needed in enumerate(needs_logits) if needed]
+        graphs = self.mixed_graphs
+        if graphs is not None and graphs.fits(step):
+            if not step.sample_rows:
+                graphs.run(step)
+                return RunResult(torch.empty(0, self.config.vocab_size), [])
+            return RunResult(self.model.logits(graphs.run(step)), sampled_index)
+        device = self.device
+        ctx = AttnContext(
+            slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device), seqs=[],
+        )
+        num_decode = len(step.decode_lens)
+        if num_decode:
+            ctx.mixed_decode = self._mixed_decode(list(range(num_decode)), step.decode_tables, step.decode_lens)
+        if step.prefills:
+            ctx.paged_prefill = build_paged_prefill(step.prefills, self.page_size, device)
+        hidden = self.model(
+            torch.tensor(step.input_ids, dtype=torch.int64, device=device),
+            torch.tensor(step.positions, dtype=torch.int64, device=device),
+            self.kv_cache.kv, ctx,
+        )
+        if not step.sample_rows:
+            return RunResult(torch.empty(0, self.config.vocab_size), [])
+        rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=device)
+        return RunResult(self.model.logits(hidden.index_select(0, rows)), sampled_index)
+
+    def layout_mixed(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> MixedLayout:
+        """The step's host metadata, decode rows (one new token at a position > 0) first,
+        then each other sequence's rows; sample_rows in batch order of the rows that sample."""
+        page_size = self.page_size
+        decode = [i for i, item in enumerate(batch) if item.num_tokens == 1 and item.seq.num_computed_tokens > 0]
+        is_decode = set(decode)
+        order = decode + [i for i in range(len(batch)) if i not in is_decode]
+        step = MixedLayout([], [], [], [], [], [], [])
+        last_row = [0] * len(batch)
+        for i in order:
+            item = batch[i]
+            seq, begin = item.seq, item.seq.num_computed_tokens
+            end = begin + item.num_tokens
+            table = seq.block_table
+            if i in is_decode:
+                step.decode_tables.append(table)
+                step.decode_lens.append(end)
+                step.input_ids.append(seq.token_ids[begin])
+                step.positions.append(begin)
+                step.slot_mapping.append(table[begin // page_size] * page_size + begin % page_size)
+            else:
+                step.prefills.append(PrefillRows(len(step.input_ids), item.num_tokens, end, table))
+                step.input_ids.extend(seq.token_ids[begin:end])
+                step.positions.extend(range(begin, end))
+                step.slot_mapping.extend(
+                    table[p // page_size] * page_size + p % page_size for p in range(begin, end)
+                )
+            last_row[i] = len(step.input_ids) - 1
+        step.sample_rows = [last_row[i] for i, needed in enumerate(needs_logits) if needed]
+        return step
 
     def _run_paged_decode(
         self, batch: list[ScheduledSeq], needs_logits: list[bool], feed: Feed | None

@@ -258,6 +258,39 @@ def test_requests_arriving_mid_decode_equal_each_alone() -> None:
     assert num_mixed_steps > 0
     assert outputs == alone
     assert engine.status().num_free_pages == baseline
+    assert engine.runner.mixed_graphs is not None and engine.runner.mixed_graphs.num_replays > 0
+
+
+def test_mixed_step_graphs_equal_eager_mixed_steps() -> None:
+    """Steps that prefill replay a graph captured for their token count (mixed_graphs.py):
+    arrivals while others decode, prompts chunked over steps, prefix-cache hits, several
+    prompts a step. Token-exact against the same engine running those steps eagerly (fp32),
+    with every page back."""
+    shared = _prompt(500, 70)
+    prompts = {f"x{i}": (shared if i % 3 == 0 else []) + _prompt(510 + i, 3 + 29 * i) for i in range(14)}
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
+        pending = list(prompts.items())
+        while pending or engine.has_work:
+            for _ in range(1 + len(pending) % 3):  # one to three arrivals a step
+                if pending:
+                    rid, ids = pending.pop(0)
+                    engine.add_request(rid, ids, GREEDY)
+            for event in engine.step():
+                for delta in getattr(event, "deltas", ()):
+                    outputs[event.request_id].extend(delta.token_ids)
+        return outputs
+
+    graphs = _cuda_engine(dtype="float32", prefill_chunk_size=96)
+    eager = _cuda_engine(dtype="float32", prefill_chunk_size=96, mixed_cuda_graphs=False)
+    assert graphs.runner.mixed_graphs is not None and eager.runner.mixed_graphs is None
+    baseline = graphs.status().num_free_pages
+    got = run(graphs)
+    assert got == run(eager)
+    assert all(len(tokens) == GREEDY.max_tokens for tokens in got.values())
+    assert graphs.runner.mixed_graphs.num_replays >= 10
+    assert graphs.status().num_free_pages == baseline
 
 
 def test_in_process_pd_on_cuda_is_token_exact_and_leaks_nothing() -> None:
@@ -289,6 +322,7 @@ def test_pd_between_two_shim_processes_on_one_gpu(tmp_path: Path) -> None:
 
     helpers = _shim_test_helpers()
     engine_stub, generate, start_shim = helpers.engine_stub, helpers.generate, helpers.start_shim
+    introduce = helpers.introduce
 
     # fp32: D computes the prompt's last token with the decode kernel where the single shim
     # runs it inside its prefill (SDPA), and P's prefill of prompt[:-1] tiles differently from
@@ -305,6 +339,7 @@ def test_pd_between_two_shim_processes_on_one_gpu(tmp_path: Path) -> None:
         _, p = engine_stub(prefill.address)
         _, d = engine_stub(decode.address)
         _, s = engine_stub(single.address)
+        await introduce(p, decode.address)  # P pushes KV only to peers it was told of
         before = (await d.GetStatus(engine_pb2.GetStatusRequest())).num_free_kv_pages
         reference = await generate(s, "ref", prompt)
         prep = await d.PrepRecv(engine_pb2.PrepRecvRequest(request_id="pd", token_ids=prompt, end=-1))

@@ -69,6 +69,7 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
         prefill_hold_ms=settings.prefill_hold_ms,
         enable_prefix_cache=settings.enable_prefix_cache,
         cuda_graphs=settings.cuda_graphs,
+        mixed_cuda_graphs=settings.mixed_cuda_graphs,
         paged_prefill=settings.paged_prefill,
         kv_export_chunk_bytes=settings.kv_push_chunk_bytes,  # one export = one PushKV message
     )

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -182,3 +183,68 @@ def test_engine_on_the_paged_kernels_gives_the_reference_tokens() -> None:
         results.append(outputs)
     assert all(len(tokens) == 12 for tokens in results[0].values())
     assert results[0] == results[1]
+
+
+def test_static_mixed_steps_give_the_reference_tokens() -> None:
+    """Steps that prefill in the static shapes of a captured graph (mixed_graphs.py, run
+    eagerly here: capture needs CUDA): decode rows first, padding rows up to the bucket,
+    empty query tiles, one block table for both kernels. A prompt arriving while others
+    decode, a chunked prompt, a prefix-cache hit and a step too large for the buckets (the
+    eager fallback) give the reference engine's tokens at temperature 0."""
+    from engine_shim.engine.api import GenerateOutput, SamplingParams
+    from engine_shim.engine.config import EngineConfig
+    from engine_shim.engine.disaggregation import EngineEvent
+    from engine_shim.engine.llm_engine import LLMEngine
+    from engine_shim.engine.mixed_graphs import MixedGraphRunner
+
+    sampling = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    shared = [(3 * j) % 250 + 1 for j in range(40)]
+    prompts = [shared + [9, 8, 7], [(7 * j) % 250 + 1 for j in range(100)], shared + [1, 2], [5, 6]]
+    results = []
+    static_runs = []
+    fallbacks: list[bool] = []  # per step that prefilled on the static runner: did not fit
+    for static in (True, False):
+        engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_pages=64,
+                                        page_size=16, prefill_chunk_size=48))
+        runner = engine.runner
+        if static:
+            runner.use_paged_kernels = True
+            runner.mixed_graphs = MixedGraphRunner(
+                engine.model, engine.kv_cache.kv, engine.page_size, engine.kv_cache.scratch_slot,
+                max_tokens=56, max_decode_rows=4, max_pages_per_seq=16, max_prefills=2,
+                buckets=(8, 16, 32, 64),
+            )
+            assert runner.mixed_graphs.buckets == (8, 16, 32, 56)
+            fits = runner.mixed_graphs.fits
+
+            def counted(step: Any, fits: Any = fits) -> bool:
+                ok = bool(fits(step))
+                fallbacks.append(not ok)
+                return ok
+
+            runner.mixed_graphs.fits = counted  # type: ignore[method-assign]
+        else:
+            runner.use_paged_kernels = False  # the reference ops
+        outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+
+        def collect(events: list[EngineEvent], outputs: dict[str, list[int]] = outputs) -> None:
+            for event in events:
+                if isinstance(event, GenerateOutput):
+                    outputs[event.request_id].extend(t for d in event.deltas for t in d.token_ids)
+
+        engine.add_request("r0", prompts[0], sampling)
+        for _ in range(3):  # r0 prefills (43 tokens: bucket 56) and decodes alone
+            collect(engine.step())
+        engine.add_request("r1", prompts[1], sampling)  # chunked: 100 tokens, 48 a step
+        engine.add_request("r2", prompts[2], sampling)  # shares r0's first 32 tokens (cached)
+        engine.add_request("r3", prompts[3], sampling)  # a third prefill of one step: eager
+        while engine.has_work:
+            collect(engine.step())
+        results.append(outputs)
+        if static:
+            assert runner.mixed_graphs is not None
+            static_runs.append(runner.mixed_graphs.num_static_runs)
+    assert all(len(tokens) == 10 for tokens in results[0].values())
+    assert results[0] == results[1]
+    assert static_runs[0] >= 3 and static_runs[0] == fallbacks.count(False)
+    assert any(fallbacks)  # three prompts in one step: more than max_prefills, eager
