@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
+from bench.capacity import engine_steps
 from bench.capacity.client import LoadResult, LoadSpec, run_load
 from bench.capacity.cpu import machine_busy_s
 from bench.capacity.nominal import Nominal
@@ -25,12 +26,13 @@ class _Snapshot:
     machine_busy_s: float
     client_cpu_s: float
     routers: RouterSnapshot  # the routers' engine-call and first-token histograms
+    engines: dict[str, engine_steps.Counters]  # each shim's engine steps, from its /metrics
 
 
 def _snapshot(stack: Stack) -> _Snapshot:
-    # The routers' metrics last: a scrape takes a few ms, the counters above are the edge.
+    # The metrics last: a scrape takes a few ms, the counters above are the edge.
     return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), time.process_time(),
-                     scrape(stack.router_metrics_ports))
+                     scrape(stack.router_metrics_ports), engine_steps.scrape(stack.shim_metrics_ports))
 
 
 # A closed-loop load: (spec, at_edge) -> its result; run_load is the gateway's HTTP client.
@@ -114,6 +116,7 @@ def cell_figures(
         # PrepRecv / RemoteSend (with its KV push) as the routers timed them, and the router's
         # own first-token time (the hops below it).
         **cell_summary(opened.routers, closed.routers),
+        "engine_steps": engine_steps.window(opened.engines, closed.engines, window_s),
         "errors": [r.error for r in records if r.error is not None][:10],
         "num_errors": sum(1 for r in records if r.error is not None),
     }

@@ -127,7 +127,8 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
                                        seed=round_index * 1000 + streams, staggered=staggered)
                     print(f"  engine alone streams {streams:>4} round {round_index}"
                           f"{' staggered' if staggered else ''}: {result.tok_s:,.0f} tok/s, "
-                          f"TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms", file=sys.stderr, flush=True)
+                          f"TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms, {_steps_text(result.engine_steps)}",
+                          file=sys.stderr, flush=True)
                     runs[staggered].append(result)
             for staggered, found in runs.items():  # the median round of each
                 results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
@@ -193,6 +194,15 @@ def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]
           f"{cell['client_tok_s']:,.0f} tok/s (ratio {cell['ratio']:.2f}), "
           f"CPU {cell['cpu_ms_per_1k_tokens']['total'] or 0:.1f} ms per 1k tokens, "
           f"{cell['num_errors']} errors", file=sys.stderr, flush=True)
+    for name, steps in (cell.get("engine_steps") or {}).items():
+        print(f"    {name}: {_steps_text(steps)}", file=sys.stderr, flush=True)
+
+
+def _steps_text(steps: dict[str, Any] | None) -> str:
+    if not steps or not steps.get("steps"):
+        return "no engine steps"
+    return (f"{steps['tokens_per_step']:.1f} tokens a step, {steps['step_ms']:.2f} ms in a step, "
+            f"{steps['loop_ms_per_step']:.2f} ms a loop turn")
 
 
 def main(argv: list[str]) -> int:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.capacity.client import prompt_ids
+from bench.capacity.engine_steps import figures
 from bench.capacity.nominal import Nominal
 from bench.loadgen.stats import percentile
 
@@ -28,6 +29,8 @@ class AloneResult:
     num_tokens: int
     span_s: float
     staggered: bool = False
+    engine_steps: dict[str, Any] | None = None  # bench.capacity.engine_steps.figures
+
 
     def as_nominal(self) -> Nominal:
         return Nominal(tok_s=self.tok_s, decode_tok_s=self.tok_s, ttft_s=self.ttft_p50_s)
@@ -71,6 +74,7 @@ class EngineAlone:
             started_s[request_id] = time.perf_counter()
             engine.start_generate(request_id, prompt_ids(rng, input_len), 0, sampling)
 
+        counters_before = (engine.num_steps, engine.step_time_s, engine.num_sampled_tokens)
         origin_s = time.perf_counter()
         to_start = min(streams, num_requests)
         for _ in range(1 if staggered else to_start):
@@ -96,8 +100,10 @@ class EngineAlone:
                     if remaining > 0:
                         submit()
         span_s = time.perf_counter() - origin_s
+        steps = figures(engine.num_steps - counters_before[0], engine.step_time_s - counters_before[1],
+                        engine.num_sampled_tokens - counters_before[2], span_s)
         return AloneResult(streams, num_tokens / span_s, percentile(ttfts, 50), num_tokens, span_s,
-                           staggered)
+                           staggered, steps)
 
     def close(self) -> None:
         import torch

@@ -55,6 +55,7 @@ class Stack:
     base_url: str
     processes: list[StackProcess] = field(default_factory=list)
     router_metrics_ports: list[int] = field(default_factory=list)  # each router's /metrics
+    shim_metrics_ports: dict[str, int] = field(default_factory=dict)  # each shim's, by name
 
     def cpu_s(self) -> dict[str, tuple[float, float]]:
         return {p.name: p.cpu_s() for p in self.processes}
@@ -80,10 +81,12 @@ def engine_tid(service: ServiceProcess) -> int:
 
 async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) -> Stack:
     roles = ROLES[pattern]
+    shim_ports = free_ports(len(roles))
     # The shims load side by side (each prints its address once its engine runs).
     shims = await asyncio.gather(*(
-        asyncio.to_thread(group.start, f"{pattern}-shim-{role}", _shim_args(role, options))
-        for role in roles
+        asyncio.to_thread(group.start, f"{pattern}-shim-{role}",
+                          [*_shim_args(role, options), "--metrics-port", str(port)])
+        for role, port in zip(roles, shim_ports, strict=True)
     ))
     processes: list[StackProcess] = []
     engines: list[str] = []
@@ -114,4 +117,5 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
     processes = [StackProcess("gateway", gateway),
                  *(StackProcess(n, r) for n, r in zip(router_names, routers, strict=True)),
                  *processes]
-    return Stack(pattern, base_url, processes, metrics_ports)
+    return Stack(pattern, base_url, processes, metrics_ports,
+                 {f"shim-{role}": port for role, port in zip(roles, shim_ports, strict=True)})

@@ -45,6 +45,9 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
         cpu = row["cpu_ms_per_1k_tokens"]
         assert set(cpu) == {"gateway", "router", "total", *shims}
         assert set(row["engine_thread_ms_per_1k_tokens"]) == shims
+        # Each shim's /metrics was read at the window's edges (the synthetic engine keeps no
+        # step counters: none are reported, and none invented).
+        assert row["engine_steps"] == {name: {"steps": 0} for name in shims}
         assert all(v >= 0 for v in cpu.values()) and cpu["total"] > 0
         assert cpu["total"] == pytest.approx(sum(v for k, v in cpu.items() if k != "total"))
         # What the routers timed: every request's first token, and disagg's engine calls
