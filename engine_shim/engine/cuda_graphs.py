@@ -70,6 +70,31 @@ class ReadBack:
         return self.host.tolist()  # type: ignore[no-any-return]
 
 
+class TableRows:
+    """Which block table each row of a host table buffer holds, so a step rewrites only the
+    rows whose table changed: in a decode batch most rows carry the same sequence as the step
+    before, whose table grows by a page every page_size tokens (writing every row cost about
+    1 us a row a step). A row remembers the list it was written from and its length: block
+    tables are only ever extended or replaced by a new list (never edited in place), and the
+    reference kept here stops a freed list's address from being reused for another one."""
+
+    def __init__(self, rows: int) -> None:
+        self._source: list[list[int] | None] = [None] * rows
+        self._length = [0] * rows
+
+    def write(self, buffer: Any, tables: Sequence[list[int]], first_row: int = 0) -> None:
+        source, length = self._source, self._length
+        for row, table in enumerate(tables, first_row):
+            if source[row] is not table or length[row] != len(table):
+                buffer[row, : len(table)] = table
+                source[row], length[row] = table, len(table)
+
+    def forget(self, start: int, end: int) -> None:
+        """Rows [start, end) were overwritten some other way (padding)."""
+        for row in range(start, min(end, len(self._source))):
+            self._source[row] = None
+
+
 class DecodeGraphRunner:
     def __init__(
         self, model: CausalLM, kv: torch.Tensor, page_size: int, max_pages_per_seq: int,
@@ -101,6 +126,7 @@ class DecodeGraphRunner:
             h[i * size : (i + 1) * size] for i in range(5)
         )
         self._h_tables = h[5 * size :].reshape(size, max_pages_per_seq)
+        self._table_rows = TableRows(size)
         # Read-back ring: at most two steps are in flight (one launched, one being read).
         self._read_back = [
             (torch.zeros(size, dtype=torch.int64, pin_memory=True), torch.cuda.Event())
@@ -158,6 +184,7 @@ class DecodeGraphRunner:
         self._h_slots[start:end] = self.scratch_slot
         self._h_lens[start:end] = 1
         self._h_tables[start:end, 0] = self.scratch_slot // self.page_size
+        self._table_rows.forget(start, end)
 
     def _upload(self, bucket: int) -> None:
         numel = 5 * self.max_batch + bucket * self.max_pages_per_seq
@@ -187,9 +214,7 @@ class DecodeGraphRunner:
         self._h_pos[:n] = inputs.positions
         self._h_slots[:n] = inputs.slot_mapping
         self._h_lens[:n] = inputs.context_lens
-        tables = self._h_tables
-        for row, table in enumerate(inputs.block_tables):
-            tables[row, : len(table)] = table
+        self._table_rows.write(self._h_tables, inputs.block_tables)
         self._fill_padding(n, bucket)
         self._upload(bucket)
         if feed is not None:

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from .attention import AttnContext, PagedDecode, StaticMixed
+from .cuda_graphs import TableRows
 from .model import CausalLM
 from .triton_prefill import PagedPrefill, PrefillRows
 
@@ -116,6 +117,7 @@ class MixedGraphRunner:
         )
         self._h_tiles = h[5 * size : self._table_at].reshape(self._tiles, 5)
         self._h_tables = h[self._table_at :].reshape(rows, max_pages_per_seq)
+        self._table_rows = TableRows(rows)
         self._device = torch.zeros(numel, dtype=torch.int64, device=device)
         d = self._device
         self.input_ids, self.positions, self.slot_mapping, self.decode_lens, self.sample_rows = (
@@ -193,14 +195,12 @@ class MixedGraphRunner:
         self._h_ids[n:bucket] = 0
         self._h_pos[n:bucket] = 0
         self._h_slots[n:bucket] = self.scratch_slot
-        tables = self._h_tables
         num_tiles = 0
         if step is not None:
-            for row, table in enumerate(step.decode_tables):
-                tables[row, : len(table)] = table
+            self._table_rows.write(self._h_tables, step.decode_tables)
+            self._table_rows.write(self._h_tables, [p.block_table for p in step.prefills], num_decode)
             for i, p in enumerate(step.prefills):
                 table_row = num_decode + i
-                tables[table_row, : len(p.block_table)] = p.block_table
                 for m0 in range(0, p.q_len, BLOCK_M):
                     self._h_tiles[num_tiles] = (table_row, m0, p.q_start, p.q_len, p.ctx_len)
                     num_tiles += 1
