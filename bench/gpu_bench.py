@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from engine_shim.engine.api import SamplingParams
+from engine_shim.engine.api import GenerateOutput, SamplingParams
 from engine_shim.engine.config import EngineConfig, resolve_model_config
 from engine_shim.engine.llm_engine import LLMEngine
 from engine_shim.engine.scheduler import ScheduledSeq
@@ -102,7 +102,7 @@ def engine_decode(engine: LLMEngine, batch: int, profile: bool = False, chain: b
     started: set[str] = set()
     while len(started) < batch:  # prefill (chunked) until every sequence sampled once
         for event in engine.step():
-            if any(d.token_ids for d in getattr(event, "deltas", ())):
+            if isinstance(event, GenerateOutput) and any(d.token_ids for d in event.deltas):
                 started.add(event.request_id)
     # One plain step: collects the forward an overlapped step left in flight and allocates
     # the next position's page (a 512-token prompt fills its last one), so the forwards timed

@@ -139,6 +139,19 @@ class GenerateOutput:
         return self.usage is not None
 
 
+# A GenerateOutput as plain tuples: (request_id, deltas, usage), each delta the Delta's
+# fields in order. An engine core in a process of its own builds and sends these instead of
+# the dataclasses (building and pickling a step's 128 outputs as dataclasses cost about 5x
+# as much, inside the process that sets the engine's pace); the shim unpacks them.
+PackedDelta = tuple[int, tuple[int, ...], str, tuple[TokenLogprob, ...], "FinishReason | None"]
+PackedOutput = tuple[str, tuple[PackedDelta, ...], Usage | None]
+
+
+def unpack_output(packed: PackedOutput) -> GenerateOutput:
+    request_id, deltas, usage = packed
+    return GenerateOutput(request_id, tuple([Delta(*fields) for fields in deltas]), usage)
+
+
 @dataclass(frozen=True)
 class PrepRecvResult:
     """What prep_recv reserved on the receiver.

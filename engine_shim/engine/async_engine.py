@@ -25,9 +25,11 @@ from .api import (
     GenerateOutput,
     KVChunk,
     KVLayout,
+    PackedOutput,
     PrepRecvResult,
     SamplingParams,
     UnavailableError,
+    unpack_output,
 )
 from .config import EngineConfig
 from .core_loop import (
@@ -495,10 +497,13 @@ class AsyncEngine:
             elif kind == SIDE and self.on_side_events is not None:
                 self.on_side_events(entry[1])
 
-    def _dispatch_all(self, events: list[EngineEvent]) -> None:
-        """Each event of one step to its stream, in order."""
+    def _dispatch_all(self, events: list[EngineEvent | PackedOutput]) -> None:
+        """Each event of one step to its stream, in order (a core in its own process sends
+        its outputs packed: unpacked here, in the shim's process)."""
         generate, send = self._generate_queues, self._send_queues
         for event in events:
+            if type(event) is tuple:
+                event = unpack_output(event)
             if isinstance(event, GenerateOutput):
                 stream = generate.get(event.request_id)
                 item: object = event

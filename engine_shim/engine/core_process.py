@@ -221,6 +221,7 @@ def _child_main(
     side: Side | None = None
     try:
         core = _build_core(config, core_factory)
+        core.packs_outputs = True  # plain tuples over the pipe (api.PackedOutput)
         if side_factory is not None:
             side = side_factory(core)  # reports its own failure in its facts
         facts = dataclasses.replace(core_facts(core), side=None if side is None else side.facts())

@@ -23,12 +23,14 @@ from microserving.tokenizer import Tokenizer
 from . import validation
 from .api import (
     AlreadyExistsError,
+    Delta,
     EngineCounters,
     EngineStatus,
     FinishReason,
     GenerateOutput,
     KVChunk,
     KVLayout,
+    PackedOutput,
     PreemptedError,
     PrepRecvResult,
     RequestAbortedError,
@@ -49,7 +51,7 @@ from .request import (
     finish_choice,
     fork_sequence,
     new_choice,
-    take_delta,
+    take_delta_fields,
 )
 from .sampler import SampledToken, is_plain_greedy, sample
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -103,7 +105,10 @@ class LLMEngine:
         )
         self.disaggregation = Disaggregation(config, self.block_manager, self.kv_cache, self.kv_layout)
         self._requests: dict[str, GenerateRequest] = {}
-        self._events: list[EngineEvent] = []
+        self._events: list[EngineEvent | PackedOutput] = []
+        # A core in a process of its own sends its outputs as plain tuples (api.PackedOutput):
+        # step() then returns those in place of GenerateOutput.
+        self.packs_outputs = False
         # Step pipelining (EngineConfig.overlap_steps): the batch whose forward is running on
         # the device, and the requests whose text waits to be decoded while it runs.
         self.overlap_steps = (
@@ -326,7 +331,7 @@ class LLMEngine:
             self._drop_seq(job.seq)
 
     # ---- the step ----
-    def step(self) -> list[EngineEvent]:
+    def step(self) -> list[EngineEvent | PackedOutput]:
         """One engine step (`_step`), timed and counted for the engine's metrics."""
         started_s = time.perf_counter()
         events = self._step()
@@ -334,7 +339,7 @@ class LLMEngine:
         self.num_steps += 1
         return events
 
-    def _step(self) -> list[EngineEvent]:
+    def _step(self) -> list[EngineEvent | PackedOutput]:
         """One engine step. With overlap_steps, a step collects the tokens of the forward the
         previous step launched, schedules and launches the next forward, and decodes the
         collected tokens' text while the device runs it; the events of a forward are
@@ -351,7 +356,7 @@ class LLMEngine:
         self._finish_launch(launched)
         return self._take_events()
 
-    def _take_events(self) -> list[EngineEvent]:
+    def _take_events(self) -> list[EngineEvent | PackedOutput]:
         events, self._events = self._events, []
         return events
 
@@ -541,18 +546,19 @@ class LLMEngine:
     def _emit(self, request: GenerateRequest) -> None:
         finished = request.is_finished
         output = self._output(request, finished)
-        if output.deltas or finished:
+        if finished or (output[1] if isinstance(output, tuple) else output.deltas):
             self._events.append(output)
         if finished:
             self._requests.pop(request.request_id, None)
 
-    def _output(self, request: GenerateRequest, finished: bool) -> GenerateOutput:
-        deltas = [take_delta(c, request.sampling.stop) for c in request.choices]
-        return GenerateOutput(
-            request_id=request.request_id,
-            deltas=tuple(d for d in deltas if d is not None),
-            usage=request.usage() if finished else None,
-        )
+    def _output(self, request: GenerateRequest, finished: bool) -> GenerateOutput | PackedOutput:
+        """What is new for the request (`packs_outputs`: as plain tuples)."""
+        stop = request.sampling.stop
+        fields = [f for c in request.choices if (f := take_delta_fields(c, stop)) is not None]
+        usage = request.usage() if finished else None
+        if self.packs_outputs:
+            return (request.request_id, tuple(fields), usage)
+        return GenerateOutput(request.request_id, tuple([Delta(*f) for f in fields]), usage)
 
     def _on_preempted(self, seq: Sequence) -> None:
         seq.block_table = []  # the scheduler released the pages

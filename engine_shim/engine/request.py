@@ -15,7 +15,7 @@ import torch
 
 from microserving.tokenizer import IncrementalDecoder, Tokenizer
 
-from .api import Delta, FinishReason, SamplingParams, TokenLogprob, TopLogprob, Usage
+from .api import Delta, FinishReason, PackedDelta, SamplingParams, TokenLogprob, TopLogprob, Usage
 from .sampler import SampledToken, choice_seed
 from .sequence import SeqKind, Sequence
 
@@ -172,6 +172,13 @@ def finish_choice(choice: Choice, reason: FinishReason) -> None:
 def take_delta(choice: Choice, stop: tuple[str, ...]) -> Delta | None:
     """What is new since the last delta. Text that could still grow into a stop string is
     held back until it cannot (or the choice finishes)."""
+    fields = take_delta_fields(choice, stop)
+    return None if fields is None else Delta(*fields)
+
+
+def take_delta_fields(choice: Choice, stop: tuple[str, ...]) -> PackedDelta | None:
+    """`take_delta` as the Delta's fields in order, without building the Delta (an engine
+    core in its own process sends them so: api.PackedOutput)."""
     if choice.is_reported_finished:
         return None
     end = len(choice.text)
@@ -180,13 +187,8 @@ def take_delta(choice: Choice, stop: tuple[str, ...]) -> Delta | None:
     text = choice.text[choice.num_sent_chars : end]
     if not (choice.pending_token_ids or text or choice.is_finished):
         return None
-    delta = Delta(
-        index=choice.index,
-        token_ids=tuple(choice.pending_token_ids),
-        text=text,
-        logprobs=tuple(choice.pending_logprobs),
-        finish_reason=choice.finish_reason,
-    )
+    delta = (choice.index, tuple(choice.pending_token_ids), text, tuple(choice.pending_logprobs),
+             choice.finish_reason)
     choice.num_sent_chars = end
     choice.pending_token_ids, choice.pending_logprobs = [], []
     choice.is_reported_finished = choice.is_finished
