@@ -24,7 +24,9 @@ def check_request_id(request_id: str) -> None:
         raise InvalidRequestError(
             f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
         )
-    if not all(" " <= ch <= "~" for ch in request_id):
+    # Printable ASCII is exactly " ".."~"; two C-level passes instead of a Python loop over
+    # the characters (this runs on every KV message of a request too).
+    if not (request_id.isascii() and request_id.isprintable()):
         raise InvalidRequestError("request_id must be printable ASCII")
 
 

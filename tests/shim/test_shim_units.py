@@ -53,11 +53,15 @@ def test_remote_send_needs_begin_before_end_before_len(begin, end):
         validation.remote_send_window(begin, end, 10)
 
 
+def test_every_printable_ascii_request_id_is_valid():
+    validation.check_request_id("".join(chr(c) for c in range(0x20, 0x7F)))
+
+
 def test_remote_send_window_accepts_negative_indices():
     assert validation.remote_send_window(-5, -1, 10) == (5, 9)
 
 
-@pytest.mark.parametrize("request_id", ["", "x" * 257, "tab\there", "é"])
+@pytest.mark.parametrize("request_id", ["", "x" * 257, "tab\there", "é", "del\x7f", "nl\n", "\u2028"])
 def test_bad_request_ids_are_invalid(request_id):
     with pytest.raises(InvalidRequestError):
         validation.check_request_id(request_id)
