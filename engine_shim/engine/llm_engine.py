@@ -23,7 +23,6 @@ from microserving.tokenizer import Tokenizer
 from . import validation
 from .api import (
     AlreadyExistsError,
-    Delta,
     EngineCounters,
     EngineStatus,
     FinishReason,
@@ -36,6 +35,7 @@ from .api import (
     RequestAbortedError,
     ResourceExhaustedError,
     SamplingParams,
+    unpack_output,
 )
 from .block_manager import BlockManager, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
@@ -555,10 +555,8 @@ class LLMEngine:
         """What is new for the request (`packs_outputs`: as plain tuples)."""
         stop = request.sampling.stop
         fields = [f for c in request.choices if (f := take_delta_fields(c, stop)) is not None]
-        usage = request.usage() if finished else None
-        if self.packs_outputs:
-            return (request.request_id, tuple(fields), usage)
-        return GenerateOutput(request.request_id, tuple([Delta(*f) for f in fields]), usage)
+        packed: PackedOutput = (request.request_id, tuple(fields), request.usage() if finished else None)
+        return packed if self.packs_outputs else unpack_output(packed)
 
     def _on_preempted(self, seq: Sequence) -> None:
         seq.block_table = []  # the scheduler released the pages

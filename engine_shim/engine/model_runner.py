@@ -104,21 +104,13 @@ class ModelRunner:
         runner.capture()
         self.graphs = runner
         if max_prefill_tokens and self.use_paged_prefill:
-            mixed = self.static_mixed_runner(max_batch, max_context_length, max_prefill_tokens)
+            mixed = MixedGraphRunner(
+                self.model, self.kv_cache.kv, self.page_size, self.kv_cache.scratch_slot,
+                max_tokens=max_batch + max_prefill_tokens, max_decode_rows=max_batch,
+                max_pages_per_seq=max_pages,
+            )
             mixed.capture()
             self.mixed_graphs = mixed
-
-    def static_mixed_runner(
-        self, max_batch: int, max_context_length: int, max_prefill_tokens: int,
-    ) -> MixedGraphRunner:
-        """The static-shape runner of steps that prefill; `capture_cuda_graphs` captures its
-        graphs on CUDA. Set as `mixed_graphs` uncaptured (the CPU tests under Triton's
-        interpreter), it runs the same static-shape forward eagerly."""
-        return MixedGraphRunner(
-            self.model, self.kv_cache.kv, self.page_size, self.kv_cache.scratch_slot,
-            max_tokens=max_batch + max_prefill_tokens, max_decode_rows=max_batch,
-            max_pages_per_seq=-(-max_context_length // self.page_size),
-        )
 
     @torch.inference_mode()
     def run(
@@ -217,10 +209,16 @@ class ModelRunner:
         sampled_index = [i for i, needed in enumerate(needs_logits) if needed]
         graphs = self.mixed_graphs
         if graphs is not None and graphs.fits(step):
-            if not step.sample_rows:
-                graphs.run(step)
-                return RunResult(torch.empty(0, self.config.vocab_size), [])
-            return RunResult(self.model.logits(graphs.run(step)), sampled_index)
+            sampled = graphs.run(step)  # [len(sample_rows), H]
+        else:
+            sampled = self._forward_mixed_eagerly(step)
+        if not step.sample_rows:
+            return RunResult(torch.empty(0, self.config.vocab_size), [])
+        return RunResult(self.model.logits(sampled), sampled_index)
+
+    def _forward_mixed_eagerly(self, step: MixedLayout) -> torch.Tensor:
+        """The hidden states of the step's sample rows, the decode rows through the decode
+        kernel in one launch and every prefilling sequence through the prefill kernel."""
         device = self.device
         ctx = AttnContext(
             slot_mapping=torch.tensor(step.slot_mapping, dtype=torch.int64, device=device), seqs=[],
@@ -235,10 +233,7 @@ class ModelRunner:
             torch.tensor(step.positions, dtype=torch.int64, device=device),
             self.kv_cache.kv, ctx,
         )
-        if not step.sample_rows:
-            return RunResult(torch.empty(0, self.config.vocab_size), [])
-        rows = torch.tensor(step.sample_rows, dtype=torch.int64, device=device)
-        return RunResult(self.model.logits(hidden.index_select(0, rows)), sampled_index)
+        return hidden.index_select(0, torch.tensor(step.sample_rows, dtype=torch.int64, device=device))
 
     def layout_mixed(self, batch: list[ScheduledSeq], needs_logits: list[bool]) -> MixedLayout:
         """The step's host metadata, decode rows (one new token at a position > 0) first,
