@@ -31,7 +31,6 @@ class AloneResult:
     staggered: bool = False
     engine_steps: dict[str, Any] | None = None  # bench.capacity.engine_steps.figures
 
-
     def as_nominal(self) -> Nominal:
         return Nominal(tok_s=self.tok_s, decode_tok_s=self.tok_s, ttft_s=self.ttft_p50_s)
 

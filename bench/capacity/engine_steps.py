@@ -9,14 +9,14 @@ steps (calls coming in, outputs going out, waiting for work)."""
 
 from __future__ import annotations
 
-import urllib.request
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.capacity.router_metrics import fetch
+
 _STEP = "microserving_shim_engine_step_seconds"
 _TOKENS = "microserving_shim_generated_tokens"
-_SCRAPE_TIMEOUT_S = 5.0
 
 Counters = tuple[float, float, float]  # steps, seconds in steps, sampled tokens
 
@@ -35,11 +35,7 @@ def parse(text: str) -> Counters:
 
 
 def scrape(ports: dict[str, int]) -> dict[str, Counters]:
-    found = {}
-    for name, port in ports.items():
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=_SCRAPE_TIMEOUT_S) as reply:
-            found[name] = parse(reply.read().decode())
-    return found
+    return {name: parse(fetch(port)) for name, port in ports.items()}
 
 
 def figures(steps: float, step_s: float, tokens: float, window_s: float) -> dict[str, Any]:

@@ -63,12 +63,17 @@ class Histogram:
 Snapshot = dict[tuple[str, str], Histogram]
 
 
+def fetch(port: int) -> str:
+    """One local process's /metrics page."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=_SCRAPE_TIMEOUT_S) as reply:
+        return str(reply.read().decode())
+
+
 def scrape(ports: list[int]) -> Snapshot:
     """Every router's engine-call and first-token histograms, summed over the routers."""
     found: Snapshot = {}
     for port in ports:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=_SCRAPE_TIMEOUT_S) as reply:
-            parse(reply.read().decode(), found)
+        parse(fetch(port), found)
     return found
 
 
