@@ -17,11 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import signal
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from bench.capacity import profiling
 from bench.capacity.cell import measure_cell
 from bench.capacity.client import LoadSpec
 from bench.capacity.engine_alone import AloneResult, EngineAlone
@@ -76,7 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="extra argument for every shim, e.g. --shim-arg=--stream-updates-per-s=0")
     p.add_argument("--profile-s", type=float, default=0.0,
                    help="py-spy every control-plane process this long during the first round "
-                        "of the largest stream count (raw profiles in --out)")
+                        "of the largest stream count (raw profiles in --out), and the engine "
+                        "alone's staggered run at that count")
+    p.add_argument("--py-spy-arg", action="append", default=[],
+                   help="extra argument for py-spy record with --profile-s, e.g. "
+                        "--py-spy-arg=--idle or --py-spy-arg=--native")
     p.add_argument("--toy", action="store_true",
                    help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens")
     return p
@@ -122,6 +129,10 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
             runs: dict[bool, list[AloneResult]] = {False: [], True: []}
             for round_index in range(args.rounds):
                 for staggered in (False, True):
+                    profiler = None if not (args.profile_s and staggered and round_index == 0
+                                            and streams == max(streams_list)) else \
+                        profiling.record(os.getpid(), args.out / f"profile-alone-{streams}.txt",
+                                         args.profile_s, args.py_spy_arg)
                     result = alone.run(streams, spec.input_len, spec.output_len,
                                        _num_requests(args, spec, streams) or 8 * streams,
                                        seed=round_index * 1000 + streams, staggered=staggered)
@@ -130,6 +141,9 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
                           f"TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms, {_steps_text(result.engine_steps)}",
                           file=sys.stderr, flush=True)
                     runs[staggered].append(result)
+                    if profiler is not None:  # py-spy writes what it has on SIGINT
+                        profiler.send_signal(signal.SIGINT)
+                        profiler.wait()
             for staggered, found in runs.items():  # the median round of each
                 results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
         return results
@@ -157,7 +171,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                         if alone is None else alone[(streams, False)].as_nominal()
                     profiles = [] if not (args.profile_s and round_index == 0 and
                                           streams == max(streams_list)) else \
-                        start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s)
+                        start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s,
+                                   args.py_spy_arg)
                     cell = await measure_cell(stack, spec, schedule)
                     for profiler in profiles:
                         await asyncio.to_thread(profiler.wait)

@@ -8,26 +8,36 @@ import collections
 import os
 import shutil
 import subprocess
+from collections.abc import Sequence
 from pathlib import Path
 
 from bench.capacity.stack import Stack
 
 
-def start_profiles(stack: Stack, out_dir: Path, tag: str, duration_s: float) -> list[subprocess.Popen[bytes]]:
+def start_profiles(stack: Stack, out_dir: Path, tag: str, duration_s: float,
+                   extra_args: Sequence[str] = ()) -> list[subprocess.Popen[bytes]]:
     """One `py-spy record` per process, running `duration_s` in the background (none when
     py-spy is not installed: the bench carries on without)."""
+    found = [record(process.service.process.pid, out_dir / f"profile-{tag}-{process.name}.txt",
+                    duration_s, extra_args) for process in stack.processes]
+    return [profiler for profiler in found if profiler is not None]
+
+
+def record(pid: int, path: Path, duration_s: float,
+           extra_args: Sequence[str] = ()) -> subprocess.Popen[bytes] | None:
+    """`py-spy record` of process `pid` and its children in the background, into `path` (None
+    when py-spy is not installed). `extra_args`, e.g. --idle or --native (which needs the
+    process paused at each sample, so it drops --nonblocking)."""
     py_spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
     if py_spy is None:
-        return []
-    out_dir.mkdir(parents=True, exist_ok=True)
-    return [
-        subprocess.Popen(
-            [py_spy, "record", "--pid", str(process.service.process.pid), "--subprocesses",
-             "--duration", str(int(duration_s)), "--rate", "200", "--format", "raw",
-             "--nonblocking", "--output", str(out_dir / f"profile-{tag}-{process.name}.txt")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for process in stack.processes
-    ]
+        return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pausing = [] if "--native" in extra_args else ["--nonblocking"]
+    return subprocess.Popen(
+        [py_spy, "record", "--pid", str(pid), "--subprocesses", "--duration",
+         str(max(1, round(duration_s))), "--rate", "200", "--format", "raw", *pausing,
+         *extra_args, "--output", str(path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
 def summary(path: Path, top: int = 25) -> str:

@@ -228,3 +228,44 @@ class EngineStatus:
     max_context_length: int
     prefix_cache: PrefixCacheStats
     counters: EngineCounters | None = None  # None: the backend does not count (MLC)
+
+
+# What an engine's status says that changes as it works, as plain values: running and
+# waiting requests, free pages, reserved requests, PrefixCacheStats' fields, and
+# EngineCounters' fields (None where the core does not count). The engine loop sends one with
+# every batch it emits (building and pickling the EngineStatus dataclasses each time cost
+# about 40 us a batch, in the process that sets the engine's pace); the constant rest
+# travels once, in the status of the core's start-up facts (status_from_fields).
+StatusFields = tuple[int, int, int, int, tuple[int, int, int, int, int],
+                     "tuple[int, float, int, int, int] | None"]
+
+
+def constant_status(
+    model_id: str, model_fingerprint: str, kv_layout: KVLayout, num_total_pages: int,
+    max_context_length: int,
+) -> EngineStatus:
+    """An idle engine's status: the constant part status_from_fields completes."""
+    return EngineStatus(
+        model_id=model_id, model_fingerprint=model_fingerprint, kv_layout=kv_layout,
+        num_running_requests=0, num_waiting_requests=0, num_free_pages=num_total_pages,
+        num_total_pages=num_total_pages, num_reserved_requests=0,
+        max_context_length=max_context_length, prefix_cache=PrefixCacheStats(0, 0, 0, 0, 0),
+    )
+
+
+def status_from_fields(constant: EngineStatus, fields: StatusFields) -> EngineStatus:
+    """`constant`'s model, layout and sizes with the changing values of `fields`."""
+    running, waiting, free_pages, reserved, prefix, counters = fields
+    return EngineStatus(
+        model_id=constant.model_id,
+        model_fingerprint=constant.model_fingerprint,
+        kv_layout=constant.kv_layout,
+        num_running_requests=running,
+        num_waiting_requests=waiting,
+        num_free_pages=free_pages,
+        num_total_pages=constant.num_total_pages,
+        num_reserved_requests=reserved,
+        max_context_length=constant.max_context_length,
+        prefix_cache=PrefixCacheStats(*prefix),
+        counters=None if counters is None else EngineCounters(*counters),
+    )

@@ -28,7 +28,9 @@ from .api import (
     PackedOutput,
     PrepRecvResult,
     SamplingParams,
+    StatusFields,
     UnavailableError,
+    status_from_fields,
     unpack_output,
 )
 from .config import EngineConfig
@@ -72,7 +74,7 @@ class _ThreadDriver:
         loop = asyncio.get_running_loop()
         started: asyncio.Future[CoreFacts] = loop.create_future()
 
-        def emit(batch: list[tuple[Any, ...]], status: EngineStatus) -> None:
+        def emit(batch: list[tuple[Any, ...]], status: StatusFields) -> None:
             loop.call_soon_threadsafe(deliver, batch, status)
 
         def main() -> None:
@@ -170,7 +172,8 @@ class AsyncEngine:
         # Per request: an asyncio.Queue (generate) or a _SinkStream (run_generate).
         self._generate_queues: dict[str, Any] = {}
         self._send_queues: dict[str, Any] = {}
-        self._status: EngineStatus | None = None
+        self._status: EngineStatus | None = None  # built from _status_fields when asked
+        self._status_fields: StatusFields | None = None
         self._is_stopping = False
         self._is_own_process = own_process
         self._lost_reason: asyncio.Future[str] | None = None
@@ -183,7 +186,9 @@ class AsyncEngine:
         self._loop = asyncio.get_running_loop()
         self._lost_reason = self._loop.create_future()
         facts = await self._driver.start(self._deliver, self._lost)
-        self._facts, self._status = facts, facts.status
+        self._facts = facts
+        if self._status_fields is None:  # no batch yet: the status the core started with
+            self._status = facts.status
 
     async def shutdown(self) -> None:
         if self._loop is None or self._is_stopping:
@@ -237,7 +242,9 @@ class AsyncEngine:
     def status(self) -> EngineStatus:
         """The snapshot the core sent with its latest results or step."""
         if self._status is None:
-            raise UnavailableError("engine not started")
+            if self._facts is None or self._status_fields is None:
+                raise UnavailableError("engine not started")
+            self._status = status_from_fields(self._facts.status, self._status_fields)
         return self._status
 
     # ---- MicroServing ops ----
@@ -480,9 +487,10 @@ class AsyncEngine:
             with contextlib.suppress(UnavailableError):
                 self._driver.submit(Call(None, op, args))
 
-    def _deliver(self, batch: list[tuple[Any, ...]], status: EngineStatus) -> None:
+    def _deliver(self, batch: list[tuple[Any, ...]], status: StatusFields) -> None:
         """In the event loop: one batch of the core's, in order (results, step events)."""
-        self._status = status  # published before consumers see what changed it
+        # published before consumers see what changed it
+        self._status, self._status_fields = None, status
         for entry in batch:
             kind = entry[0]
             if kind == EVENTS:

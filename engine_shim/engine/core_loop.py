@@ -1,7 +1,7 @@
 """The loop that drives an engine core, wherever it runs: in a thread of the shim's process or
 in a process of its own (core_process.py). It takes calls from an inbox, steps the core while
 it has work, and emits what happened in batches: every call's result and every step's events,
-in order, each batch with the status snapshot the core had when it was sent.
+in order, each batch with the status the core had when it was sent (as api.StatusFields).
 
 Calls are plain data (an op name and picklable arguments), so the same loop serves a thread
 (queue.Queue) and a process (a pipe) without knowing which.
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from .api import EngineError, EngineStatus, KVChunk, KVLayout
+from .api import EngineError, EngineStatus, KVChunk, KVLayout, StatusFields
 
 if TYPE_CHECKING:
     import torch
@@ -66,7 +66,7 @@ class CoreFacts:
     side: object = None  # what the loop's side reports of itself (Side.facts)
 
 
-Emit = Callable[[list[tuple[Any, ...]], EngineStatus], None]
+Emit = Callable[[list[tuple[Any, ...]], StatusFields], None]
 
 
 class Inbox(Protocol):
@@ -240,4 +240,4 @@ class CoreLoop:
                 self._out.append((SIDE, events))
         if self._out:
             out, self._out = self._out, []
-            self._emit(out, self._core.status())  # the status travels with what changed it
+            self._emit(out, self._core.status_fields())  # the status travels with what changed it

@@ -23,7 +23,6 @@ from microserving.tokenizer import Tokenizer
 from . import validation
 from .api import (
     AlreadyExistsError,
-    EngineCounters,
     EngineStatus,
     FinishReason,
     GenerateOutput,
@@ -35,6 +34,9 @@ from .api import (
     RequestAbortedError,
     ResourceExhaustedError,
     SamplingParams,
+    StatusFields,
+    constant_status,
+    status_from_fields,
     unpack_output,
 )
 from .block_manager import BlockManager, num_pages_for, slots_for_positions
@@ -124,6 +126,10 @@ class LLMEngine:
         self.step_time_s = 0.0  # summed wall time of step()
         self.num_sampled_tokens = 0
         self._rng = torch.Generator().manual_seed(config.seed)
+        # status()'s constant part; status_fields() gives the rest
+        self._constant_status = constant_status(
+            self.model_id, self.fingerprint, self.kv_layout, self.num_pages, self.max_context_length
+        )
 
     # ---- facts ----
     @property
@@ -621,25 +627,20 @@ class LLMEngine:
 
     # ---- status ----
     def status(self) -> EngineStatus:
-        running = {s.request_id for s in self.scheduler.running}
-        waiting = {s.request_id for s in self.scheduler.waiting} - running
-        return EngineStatus(
-            model_id=self.model_id,
-            model_fingerprint=self.fingerprint,
-            kv_layout=self.kv_layout,
-            num_running_requests=len(running),
-            num_waiting_requests=len(waiting),
-            num_free_pages=self.block_manager.num_free_pages,
-            num_total_pages=self.num_pages,
-            num_reserved_requests=len(self.disaggregation.reservations),
-            max_context_length=self.max_context_length,
-            prefix_cache=self.block_manager.prefix_cache_stats(),
-            counters=EngineCounters(
-                num_steps=self.num_steps, step_time_s=self.step_time_s,
-                num_sampled_tokens=self.num_sampled_tokens,
-                num_preemptions=self.scheduler.num_preemptions,
-                num_reserved_pages=sum(len(r.block_table) for r in self.disaggregation.reservations.values()),
-            ),
+        return status_from_fields(self._constant_status, self.status_fields())
+
+    def status_fields(self) -> StatusFields:
+        """What status() says that changes, as plain values (api.StatusFields)."""
+        scheduler, prefix = self.scheduler, self.block_manager.prefix_cache_stats()
+        running = {s.request_id for s in scheduler.running}
+        waiting = {s.request_id for s in scheduler.waiting} - running
+        reservations = self.disaggregation.reservations
+        return (
+            len(running), len(waiting), self.block_manager.num_free_pages, len(reservations),
+            (prefix.num_queries, prefix.num_query_tokens, prefix.num_hit_tokens,
+             prefix.num_cached_pages, prefix.num_evictable_pages),
+            (self.num_steps, self.step_time_s, self.num_sampled_tokens, scheduler.num_preemptions,
+             sum(len(r.block_table) for r in reservations.values())),
         )
 
     # ---- conveniences for tests and benchmarks ----

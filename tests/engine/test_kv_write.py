@@ -21,7 +21,7 @@ from engine_shim.backends.embedded.kv_plane.nixl_descs import (
     paired_runs,
     segment_slots,
 )
-from engine_shim.engine.api import InvalidRequestError, NotFoundError
+from engine_shim.engine.api import InvalidRequestError, NotFoundError, status_from_fields
 from engine_shim.engine.block_manager import slot_segments
 from engine_shim.engine.core_loop import STOP, Call, CoreLoop
 from engine_shim.engine.disaggregation import WRITE_FENCE_MARGIN_S, SendReady
@@ -168,7 +168,9 @@ def test_a_call_nobody_waits_for_still_publishes_the_status(
     assert engine.status().num_free_pages < engine.num_pages
     published: list[int] = []
     inbox = _Inbox(Call(None, "abort", ("r",)), STOP)
-    CoreLoop(engine, inbox, lambda _batch, status: published.append(status.num_free_pages)).run()
+    CoreLoop(engine, inbox,
+             lambda _batch, fields: published.append(status_from_fields(engine.status(), fields)
+                                                     .num_free_pages)).run()
     assert published and published[-1] == engine.num_pages
 
 

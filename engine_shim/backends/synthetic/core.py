@@ -35,8 +35,10 @@ from engine_shim.engine.api import (
     GenerateOutput,
     InvalidRequestError,
     KVLayout,
-    PrefixCacheStats,
     SamplingParams,
+    StatusFields,
+    constant_status,
+    status_from_fields,
 )
 from engine_shim.engine.config import MODEL_PRESETS, EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendReady
@@ -305,20 +307,15 @@ class SyntheticCore(TransferOps):
 
     # ---- status ----
     def status(self) -> EngineStatus:
+        constant = constant_status(self.model_id, self.kv_layout.model_fingerprint, self.kv_layout,
+                                   self.num_pages, self.max_context_length)
+        return status_from_fields(constant, self.status_fields())
+
+    def status_fields(self) -> StatusFields:
         running = {s.request_id for s in self._running}
         waiting = {s.request_id for s in self._waiting} - running
-        return EngineStatus(
-            model_id=self.model_id,
-            model_fingerprint=self.kv_layout.model_fingerprint,
-            kv_layout=self.kv_layout,
-            num_running_requests=len(running),
-            num_waiting_requests=len(waiting),
-            num_free_pages=self.num_free_pages,
-            num_total_pages=self.num_pages,
-            num_reserved_requests=len(self._reservations),
-            max_context_length=self.max_context_length,
-            prefix_cache=PrefixCacheStats(0, 0, 0, 0, 0),
-        )
+        return (len(running), len(waiting), self.num_free_pages, len(self._reservations),
+                (0, 0, 0, 0, 0), None)
 
 
 def _refuse_unmodelled(sampling: SamplingParams) -> None:
