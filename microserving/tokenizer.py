@@ -166,6 +166,17 @@ class Tokenizer:
             self._token_bytes = token_bytes_table(self._backend)
         return self._token_bytes[token_id]
 
+    @functools.cached_property
+    def _silent_ids(self) -> tuple[int, frozenset[int]]:
+        """(end, specials): every id >= end has no token, and `specials` are the special
+        tokens' ids. decode() leaves out both (the specials only when skipping them)."""
+        vocab = self._backend.get_vocab(with_added_tokens=True)
+        end = max(vocab.values(), default=-1) + 1
+        specials = frozenset(
+            i for i, token in self._backend.get_added_tokens_decoder().items() if token.special
+        )
+        return end, specials
+
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
 
@@ -217,12 +228,23 @@ class IncrementalDecoder:
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        # Ids decode() leaves out never enter the window: they cannot change its text, and
+        # a run of them would otherwise hold the window open and grow every decode of it
+        # (a model that samples ids past its tokenizer's vocabulary, or special tokens,
+        # made the engine's text decoding quadratic in the run's length).
+        self._ids_end, specials = tokenizer._silent_ids
+        self._specials = specials if skip_special_tokens else frozenset()
         self._ids: list[int] = []
         self._prefix_offset = 0
         self._read_offset = 0
 
     def feed(self, token_ids: Iterable[int]) -> str:
-        self._ids.extend(token_ids)
+        ids, count = self._ids, len(self._ids)
+        for token_id in token_ids:
+            if token_id < self._ids_end and token_id not in self._specials:
+                ids.append(token_id)
+        if len(ids) == count:
+            return ""  # nothing that decodes to text
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         new_text = self._decode(self._prefix_offset, len(self._ids))
         if len(new_text) <= len(prefix_text) or new_text.endswith(_REPLACEMENT_CHAR):

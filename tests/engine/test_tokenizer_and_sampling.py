@@ -25,6 +25,48 @@ def test_incremental_decoder_never_emits_half_a_utf8_character() -> None:
     assert len([d for d in deltas if d]) < len(ids)  # multi-byte chars came out whole
 
 
+def _metaspace_tokenizer() -> Tokenizer:
+    """A SentencePiece-style vocabulary ("▁" for a space, which the decoder drops at the start
+    of a text), with special tokens: its decoding depends on the tokens around each one."""
+    from tokenizers import AddedToken, decoders, models
+    from tokenizers import Tokenizer as HFTokenizer
+
+    pieces = ["<unk>", "▁", "▁a", "b", "▁cd", "é", "e", "▁", "f"]
+    backend = HFTokenizer(models.WordLevel({p: i for i, p in enumerate(dict.fromkeys(pieces))}, "<unk>"))
+    backend.decoder = decoders.Metaspace()
+    backend.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    backend.add_tokens([AddedToken("<tool>", special=False)])
+    return Tokenizer(backend, bos_token="<s>", eos_tokens=["</s>"], chat_template=None)
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("which", ["byte-level", "metaspace"])
+def test_incremental_decoder_matches_decode_through_ids_without_text(
+    which: str, skip_special_tokens: bool
+) -> None:
+    """Ids that decode to nothing (past the vocabulary, as a random-weight model samples them,
+    or special tokens) stay out of the decoder's window, and the text stays exactly what
+    decode() makes of all the ids, whatever the chunks they come in."""
+    import random
+
+    tok = Tokenizer.from_model("tiny") if which == "byte-level" else _metaspace_tokenizer()
+    rng = random.Random(7)
+    for _ in range(200):
+        ids = [rng.choice([rng.randrange(tok.vocab_size), rng.randrange(tok.vocab_size + 500),
+                           rng.randrange(tok.vocab_size - 8, tok.vocab_size)])
+               for _ in range(rng.randrange(1, 40))]
+        decoder = tok.incremental_decoder(skip_special_tokens=skip_special_tokens)
+        text, fed = "", 0
+        while fed < len(ids):
+            size = rng.randrange(1, 4)
+            text += decoder.feed(ids[fed:fed + size])
+            fed += size
+        assert text + decoder.flush() == tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    decoder = tok.incremental_decoder(skip_special_tokens=skip_special_tokens)
+    assert [decoder.feed([tok.vocab_size + 1]) for _ in range(1000)] == [""] * 1000
+    assert decoder._ids == []  # the run without text never entered the window
+
+
 def test_byte_tokenizer_specials_and_chat_template() -> None:
     tok = Tokenizer.from_model(PRESET_NAMES[0])
     assert tok.vocab_size == 263 and tok.bos_token_id == 256
