@@ -1,7 +1,9 @@
 """The engine core in a process of its own (as vLLM's EngineCore): the shim's event loop and the
 engine's Python host work no longer share one GIL, so a GPU engine steps at its own pace while
-the shim serves. The two processes meet through one pipe (a Unix socket pair): calls go in,
-and out comes one message per loop turn (core_loop's batches). The KV pool is shared, not
+the shim serves. The two processes meet through one pipe (a Unix socket pair): calls go in
+(multiprocessing's messages), and out comes one frame per loop turn (core_loop's batches: a
+4-byte length and the pickled batch), written by the core's loop without blocking and read
+by the shim's event loop without blocking. The KV pool is shared, not
 copied: torch hands the child's pool to the shim as shared memory (CPU) or a CUDA IPC
 mapping, so the KV data plane (NIXL, shared-memory stage) registers and reads it in place.
 
@@ -16,8 +18,12 @@ import contextlib
 import dataclasses
 import logging
 import os
+import pickle
 import queue
+import select
 import signal
+import socket
+import struct
 import sys
 import threading
 from collections.abc import Callable
@@ -42,6 +48,8 @@ _STOP_WAIT_S = 10.0
 # the writer thread must win the GIL from it to send a step's outputs. At CPython's default
 # switch interval (5 ms) a step's tokens could wait that long in the core; 0.5 ms bounds it.
 _CORE_SWITCH_INTERVAL_S = 0.0005
+_HEADER = struct.Struct("!I")  # a frame's length, before its pickled batch
+_READ_BYTES = 1 << 20  # the shim reads the pipe this much at a time
 
 
 class ProcessDriver:
@@ -63,6 +71,7 @@ class ProcessDriver:
         self._deliver: Emit | None = None
         self._on_lost: Callable[[str], None] | None = None
         self._is_stopping = False
+        self._frames: _FrameReader | None = None  # the child's batches, after its start
 
     @property
     def pid(self) -> int | None:
@@ -89,6 +98,7 @@ class ProcessDriver:
             _end(process)
             raise
         self._loop, self._deliver, self._on_lost = asyncio.get_running_loop(), deliver, on_lost
+        self._frames = _FrameReader(parent)
         self._loop.add_reader(parent.fileno(), self._on_readable)
         return facts
 
@@ -112,14 +122,14 @@ class ProcessDriver:
         await asyncio.to_thread(_end, self._process)
 
     def _on_readable(self) -> None:
-        """In the event loop: every complete message the child has written so far."""
-        conn, deliver = self._conn, self._deliver
-        assert conn is not None and deliver is not None  # set before the reader is added
-        try:
-            while conn.poll():
-                batch, status = conn.recv()
-                deliver(batch, status)
-        except (EOFError, OSError):
+        """In the event loop: every complete frame the child has written so far, then the
+        child's end if it closed the pipe."""
+        frames, deliver = self._frames, self._deliver
+        assert frames is not None and deliver is not None  # set before the reader is added
+        batches, is_closed = frames.read()
+        for batch, status in batches:
+            deliver(batch, status)
+        if is_closed:
             self._lost()
 
     def _lost(self) -> None:
@@ -137,9 +147,51 @@ class ProcessDriver:
         conn, self._conn = self._conn, None
         if conn is None:
             return
+        if self._frames is not None:
+            self._frames.close()
         if self._loop is not None:
             self._loop.remove_reader(conn.fileno())
         conn.close()
+
+
+class _FrameReader:
+    """The child's frames, read from a duplicate of the pipe's socket without blocking
+    (Connection.recv would wait in the event loop for the rest of a message)."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._buffer = bytearray()  # what has come of frames not yet complete
+
+    def read(self) -> tuple[list[tuple[Any, Any]], bool]:
+        """The batches of every frame complete by now, and whether the pipe has closed."""
+        buffer, is_closed = self._buffer, False
+        while True:
+            try:
+                data = self._sock.recv(_READ_BYTES, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                break
+            except OSError:
+                is_closed = True
+                break
+            buffer += data
+            if len(data) < _READ_BYTES:
+                is_closed = not data
+                break
+        batches = []
+        begin = 0
+        with memoryview(buffer) as view:
+            while len(buffer) - begin >= _HEADER.size:
+                (size,) = _HEADER.unpack_from(buffer, begin)
+                end = begin + _HEADER.size + size
+                if end > len(buffer):
+                    break
+                batches.append(pickle.loads(view[begin + _HEADER.size:end]))
+                begin = end
+        del buffer[:begin]
+        return batches, is_closed
+
+    def close(self) -> None:
+        self._sock.close()
 
 
 def _await_start(conn: Connection, process: BaseProcess) -> CoreFacts:
@@ -168,9 +220,13 @@ def _end(process: BaseProcess) -> None:
 class _PipeInbox:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
+        # One poller for the loop's life: Connection.poll builds a selector at every call,
+        # which the loop makes every turn.
+        self._poller = select.poll()
+        self._poller.register(conn.fileno(), select.POLLIN)
 
     def get(self, timeout: float | None) -> Call | str:
-        if not self._conn.poll(timeout or 0):
+        if not self._poller.poll(0 if timeout is None else timeout * 1000):
             raise queue.Empty
         try:
             item: Call | str = self._conn.recv()
@@ -180,33 +236,58 @@ class _PipeInbox:
 
 
 class _Writer:
-    """Writes the loop's batches from a thread of its own, so the loop never blocks on a full
-    pipe (the shim may itself be blocked sending a large call). The loop pickles each batch
-    itself: pickled in the writer, a batch took the GIL from the loop in the middle of its
-    step (every torch call lets it go), and the step paid for the pickling plus the hand-offs
-    (side by side on the 2-core VM, a 128-output batch a step: 100-190 us more a step against
-    60-80 us pickled in the loop). The writer holds the GIL only to start each write."""
+    """Writes the loop's batches, one frame each. The loop pickles a batch and writes it
+    itself, without blocking; what the pipe cannot take at once (the shim may itself be
+    blocked sending a large call) goes to a thread of its own, and so does every frame after
+    it until that thread has written it all. A writer thread for every batch had cost the
+    loop the GIL's hand-offs in the middle of its steps (every torch call lets the GIL go): on
+    the H200, py-spy found the loop's poll of its inbox alone at 4% of the loop, waiting for
+    the GIL back."""
 
     def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._queue: queue.SimpleQueue[memoryview | None] = queue.SimpleQueue()
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._lock = threading.Lock()
+        self._num_queued = 0  # frames handed to the thread and not yet written
+        self._is_gone = False  # the shim is gone: nothing more is written
+        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="engine-core-writer", daemon=True)
         self._thread.start()
 
     def emit(self, batch: list[tuple[Any, ...]], status: StatusFields) -> None:
-        # What Connection.send does, split: the pickling here, the write in the thread.
-        self._queue.put(ForkingPickler.dumps((batch, status)))
+        data = ForkingPickler.dumps((batch, status))
+        frame = _HEADER.pack(len(data)) + data
+        with self._lock:
+            if self._is_gone:
+                return
+            if self._num_queued == 0:
+                try:
+                    sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    self._is_gone = True
+                    return
+                if sent == len(frame):
+                    return
+                frame = frame[sent:]
+            self._num_queued += 1
+        self._queue.put(frame)
 
     def close(self) -> None:
         self._queue.put(None)
         self._thread.join()
+        self._sock.close()
 
     def _run(self) -> None:
-        while (data := self._queue.get()) is not None:
+        while (frame := self._queue.get()) is not None:
             try:
-                self._conn.send_bytes(data)
+                self._sock.sendall(frame)
             except OSError:
-                return  # the shim is gone
+                with self._lock:
+                    self._is_gone = True
+                return
+            with self._lock:
+                self._num_queued -= 1
 
 
 def _child_main(
