@@ -40,14 +40,16 @@ def record(pid: int, path: Path, duration_s: float,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def summary(path: Path, top: int = 25) -> str:
-    """The functions with the most samples, by their own (self) and with callees (inclusive)."""
+def summary(path: Path, top: int = 25, only: str = "") -> str:
+    """The functions with the most samples, by their own (self) and with callees (inclusive);
+    `only`: just the stacks with a frame that contains it (e.g. "spawn_main": a shim's engine
+    core process, which py-spy records with the shim)."""
     own: collections.Counter[str] = collections.Counter()
     inclusive: collections.Counter[str] = collections.Counter()
     total = 0
     for line in path.read_text(encoding="utf-8").splitlines():
         stack, _, count = line.rpartition(" ")
-        if not stack:
+        if not stack or only not in stack:
             continue
         samples = int(count)
         total += samples
@@ -55,14 +57,20 @@ def summary(path: Path, top: int = 25) -> str:
         own[frames[-1]] += samples
         for frame in set(frames):
             inclusive[frame] += samples
-    lines = [f"{path.name}: {total} samples", "self:"]
+    which = f" (stacks with {only!r})" if only else ""
+    lines = [f"{path.name}{which}: {total} samples", "self:"]
     lines += [f"  {100 * n / total:5.1f}% {f}" for f, n in own.most_common(top)]
     lines += ["inclusive:"] + [f"  {100 * n / total:5.1f}% {f}" for f, n in inclusive.most_common(top)]
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
-    import sys
+    import argparse
 
-    for name in sys.argv[1:]:
-        print(summary(Path(name)))
+    parser = argparse.ArgumentParser(description="py-spy raw profiles, summarized")
+    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("--only", default="", help="only the stacks with a frame containing this")
+    parser.add_argument("--top", type=int, default=25)
+    args = parser.parse_args()
+    for name in args.files:
+        print(summary(name, args.top, args.only))

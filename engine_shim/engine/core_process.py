@@ -45,8 +45,9 @@ logger = logging.getLogger(__name__)
 _START_POLL_S = 0.5
 _STOP_WAIT_S = 10.0
 # The core's loop thread runs Python almost without pause (it launches the device's work), and
-# the writer thread must win the GIL from it to send a step's outputs. At CPython's default
-# switch interval (5 ms) a step's tokens could wait that long in the core; 0.5 ms bounds it.
+# another thread of the core (the writer, when the pipe was full; a transfer agent's) must win
+# the GIL from it. At CPython's default switch interval (5 ms) a step's tokens could wait that
+# long in the core; 0.5 ms bounds it.
 _CORE_SWITCH_INTERVAL_S = 0.0005
 _HEADER = struct.Struct("!I")  # a frame's length, before its pickled batch
 _READ_BYTES = 1 << 20  # the shim reads the pipe this much at a time
