@@ -2,23 +2,32 @@
 
 The same workload the stack gets (S closed-loop streams, prompts of `input_len` token ids,
 `output_len` tokens each with ignore_eos at temperature 0, a new request as soon as one ends,
-so prefills interleave with decode as in serving), run on the engine core's own step loop in
-this process: no thread, no gRPC, no HTTP. The engine is configured exactly as a shim with the
-same flags would configure it (`engine_shim.backends.embedded.backend.engine_config`).
+so prefills interleave with decode as in serving), run on the engine core's own step loop: no
+thread, no pipe, no gRPC, no HTTP. The engine is configured exactly as a shim with the same
+flags would configure it (`engine_shim.backends.embedded.backend.engine_config`).
+
+The loop runs in a process of its own, spawned as a shim spawns its engine core, and not in
+the benchmark's process: on the H200 the same engine stepped up to a sixth slower inside the
+benchmark's process (with its event loop, its client and everything they import) than inside
+a shim's core process, so the yardstick varied with where it ran.
 """
 
 from __future__ import annotations
 
-import gc
+import contextlib
+import multiprocessing
 import random
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from typing import Any
 
 from bench.capacity.client import prompt_ids
 from bench.capacity.engine_steps import figures
 from bench.capacity.nominal import Nominal
 from bench.loadgen.stats import percentile
+
+_STOP_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,65 @@ class AloneResult:
 
 
 class EngineAlone:
-    """One engine core for every stream count (loaded once, freed by `close`)."""
+    """One engine core for every stream count, in a spawned process of its own (loaded once,
+    ended by `close`): `run` there, called from here."""
+
+    def __init__(self, model: str, device: str, max_num_seqs: int, shim_env: dict[str, Any]) -> None:
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(target=_serve, args=(child, model, device, max_num_seqs, shim_env),
+                                         name="engine-alone", daemon=True)
+        self._process.start()
+        child.close()
+        self._call("started")
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def run(self, streams: int, input_len: int, output_len: int, num_requests: int,
+            seed: int, staggered: bool = False) -> AloneResult:
+        """_AloneLoop.run, in the engine's process."""
+        result: AloneResult = self._call("run", streams, input_len, output_len, num_requests,
+                                         seed, staggered)
+        return result
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self._conn.send(None)
+        self._process.join(_STOP_WAIT_S)
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join()
+        self._conn.close()
+
+    def _call(self, *message: Any) -> Any:
+        if message[0] != "started":
+            self._conn.send(message)
+        while not self._conn.poll(1.0):
+            if not self._process.is_alive():
+                raise RuntimeError(f"the engine-alone process exited (code {self._process.exitcode})")
+        kind, value = self._conn.recv()
+        if kind == "failed":
+            raise RuntimeError(f"the engine-alone process failed: {value}")
+        return value
+
+
+def _serve(conn: Connection, model: str, device: str, max_num_seqs: int,
+           shim_env: dict[str, Any]) -> None:
+    """The engine-alone process: load, say so, then run what is asked until told to stop."""
+    try:
+        loop = _AloneLoop(model, device, max_num_seqs, shim_env)
+        conn.send(("ok", None))
+        while (message := conn.recv()) is not None:
+            _, *args = message
+            conn.send(("ok", loop.run(*args)))
+    except Exception as error:  # noqa: BLE001 - reported to the benchmark, which stops
+        conn.send(("failed", f"{type(error).__name__}: {error}"))
+
+
+class _AloneLoop:
+    """The engine and the closed loop over it, in the engine-alone process."""
 
     def __init__(self, model: str, device: str, max_num_seqs: int, shim_env: dict[str, Any]) -> None:
         from engine_shim.backends.embedded.backend import engine_config  # torch loads here
@@ -45,6 +112,9 @@ class EngineAlone:
 
         settings = ShimSettings(model=model, device=device, max_num_seqs=max_num_seqs, **shim_env)
         self.engine = LLMEngine(engine_config(settings))
+        # Its outputs as plain tuples, as a shim's core process makes them (api.PackedOutput;
+        # there the shim unpacks them, in its own process).
+        self.engine.packs_outputs = True
         self.engine.warmup()
         self._next_id = 0
 
@@ -55,7 +125,7 @@ class EngineAlone:
         together, so the engine alternates waves of prefill with runs of pure decode (its
         fastest steps); staggered, the arrivals spread over the steps as they do behind any
         network hop, and most steps carry a prefill beside the decodes."""
-        from engine_shim.engine.api import GenerateOutput, SamplingParams
+        from engine_shim.engine.api import SamplingParams
 
         engine = self.engine
         rng = random.Random(seed)
@@ -86,16 +156,17 @@ class EngineAlone:
             events = engine.step()
             now_s = time.perf_counter()
             for event in events:
-                if not isinstance(event, GenerateOutput) or event.request_id not in started_s:
-                    continue
-                count = sum(len(delta.token_ids) for delta in event.deltas)
+                if type(event) is not tuple or event[0] not in started_s:
+                    continue  # not an output (api.PackedOutput: request id, deltas, usage)
+                request_id, deltas, usage = event
+                count = sum(len(delta[1]) for delta in deltas)
                 num_tokens += count
-                request_started_s = started_s[event.request_id]
+                request_started_s = started_s[request_id]
                 if count and request_started_s >= 0:
                     ttfts.append(now_s - request_started_s)
-                    started_s[event.request_id] = -1.0  # its first token is counted
-                if event.is_finished:
-                    del started_s[event.request_id]
+                    started_s[request_id] = -1.0  # its first token is counted
+                if usage is not None:  # finished
+                    del started_s[request_id]
                     if remaining > 0:
                         submit()
         span_s = time.perf_counter() - origin_s
@@ -104,11 +175,4 @@ class EngineAlone:
         return AloneResult(streams, num_tokens / span_s, percentile(ttfts, 50), num_tokens, span_s,
                            staggered, steps)
 
-    def close(self) -> None:
-        import torch
-
-        del self.engine
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
 

@@ -1,0 +1,27 @@
+"""The capacity benchmark's yardstick: the embedded engine alone, on its own step loop in a
+process of its own, with the stack's workload (closed-loop streams, fixed lengths)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.capacity.engine_alone import EngineAlone
+
+
+def test_the_engine_alone_runs_the_closed_loop_in_its_own_process() -> None:
+    alone = EngineAlone("tiny", "cpu", max_num_seqs=8, shim_env={})
+    try:
+        assert alone.pid is not None
+        results = [alone.run(streams=3, input_len=8, output_len=5, num_requests=7, seed=1,
+                             staggered=staggered) for staggered in (False, True)]
+        again = alone.run(streams=2, input_len=8, output_len=3, num_requests=2, seed=2)
+    finally:
+        alone.close()
+    for result, staggered in zip(results, (False, True), strict=True):
+        assert result.num_tokens == 7 * 5  # every request's every token, counted once
+        assert result.streams == 3 and result.staggered is staggered
+        assert result.tok_s == pytest.approx(result.num_tokens / result.span_s)
+        assert 0 < result.ttft_p50_s < result.span_s
+        assert result.engine_steps is not None and result.engine_steps["steps"] >= 5
+    assert again.num_tokens == 2 * 3  # the loaded engine serves the next run too
+    assert not alone._process.is_alive()
