@@ -167,15 +167,19 @@ class Tokenizer:
         return self._token_bytes[token_id]
 
     @functools.cached_property
-    def _silent_ids(self) -> tuple[int, frozenset[int]]:
-        """(end, specials): every id >= end has no token, and `specials` are the special
-        tokens' ids. decode() leaves out both (the specials only when skipping them)."""
-        vocab = self._backend.get_vocab(with_added_tokens=True)
-        end = max(vocab.values(), default=-1) + 1
+    def decode_skips(self) -> tuple[int, frozenset[int]]:
+        """(size, specials): the vocabulary's size with its added tokens, and the special
+        tokens' ids. decode() leaves out the specials (when skipping them) and every id
+        without a token, which past `size` is what `has_token` says (below it, nearly never:
+        a vocabulary with holes). Cheap: no walk of the vocabulary."""
+        size = int(self._backend.get_vocab_size(with_added_tokens=True))
         specials = frozenset(
             i for i, token in self._backend.get_added_tokens_decoder().items() if token.special
         )
-        return end, specials
+        return size, specials
+
+    def has_token(self, token_id: int) -> bool:
+        return self._backend.id_to_token(token_id) is not None
 
     def incremental_decoder(self, skip_special_tokens: bool = True) -> IncrementalDecoder:
         return IncrementalDecoder(self, skip_special_tokens=skip_special_tokens)
@@ -232,7 +236,7 @@ class IncrementalDecoder:
         # a run of them would otherwise hold the window open and grow every decode of it
         # (a model that samples ids past its tokenizer's vocabulary, or special tokens,
         # made the engine's text decoding quadratic in the run's length).
-        self._ids_end, specials = tokenizer._silent_ids
+        self._vocab_size, specials = tokenizer.decode_skips
         self._specials = specials if skip_special_tokens else frozenset()
         self._ids: list[int] = []
         self._prefix_offset = 0
@@ -241,7 +245,10 @@ class IncrementalDecoder:
     def feed(self, token_ids: Iterable[int]) -> str:
         ids, count = self._ids, len(self._ids)
         for token_id in token_ids:
-            if token_id < self._ids_end and token_id not in self._specials:
+            if token_id < self._vocab_size:
+                if token_id not in self._specials:
+                    ids.append(token_id)
+            elif self._tokenizer.has_token(token_id):
                 ids.append(token_id)
         if len(ids) == count:
             return ""  # nothing that decodes to text
