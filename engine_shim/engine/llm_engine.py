@@ -37,7 +37,6 @@ from .api import (
     StatusFields,
     constant_status,
     status_from_fields,
-    unpack_output,
 )
 from .block_manager import BlockManager, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
@@ -53,7 +52,7 @@ from .request import (
     finish_choice,
     fork_sequence,
     new_choice,
-    take_delta_fields,
+    take_output,
 )
 from .sampler import SampledToken, is_plain_greedy, sample
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
@@ -219,7 +218,9 @@ class LLMEngine:
                 if not choice.is_finished:
                     self._drop_seq(choice.seq)
                     finish_choice(choice, FinishReason.ABORT)
-            self._events.append(self._output(request, finished=True))
+            output = take_output(request, self.packs_outputs, ended=True)
+            assert output is not None  # an ended request always has its last output
+            self._events.append(output)
         job = self.disaggregation.pop_send(request_id)
         if job is not None:
             found = True
@@ -550,19 +551,11 @@ class LLMEngine:
             self._drop_seq(seq)
 
     def _emit(self, request: GenerateRequest) -> None:
-        finished = request.is_finished
-        output = self._output(request, finished)
-        if finished or (output[1] if isinstance(output, tuple) else output.deltas):
+        output = take_output(request, self.packs_outputs)
+        if output is not None:
             self._events.append(output)
-        if finished:
+        if request.is_finished:
             self._requests.pop(request.request_id, None)
-
-    def _output(self, request: GenerateRequest, finished: bool) -> GenerateOutput | PackedOutput:
-        """What is new for the request (`packs_outputs`: as plain tuples)."""
-        stop = request.sampling.stop
-        fields = [f for c in request.choices if (f := take_delta_fields(c, stop)) is not None]
-        packed: PackedOutput = (request.request_id, tuple(fields), request.usage() if finished else None)
-        return packed if self.packs_outputs else unpack_output(packed)
 
     def _on_preempted(self, seq: Sequence) -> None:
         seq.block_table = []  # the scheduler released the pages

@@ -15,7 +15,18 @@ import torch
 
 from microserving.tokenizer import IncrementalDecoder, Tokenizer
 
-from .api import Delta, FinishReason, PackedDelta, SamplingParams, TokenLogprob, TopLogprob, Usage
+from .api import (
+    Delta,
+    FinishReason,
+    GenerateOutput,
+    PackedDelta,
+    PackedOutput,
+    SamplingParams,
+    TokenLogprob,
+    TopLogprob,
+    Usage,
+    unpack_output,
+)
 from .sampler import SampledToken, choice_seed
 from .sequence import SeqKind, Sequence
 
@@ -193,6 +204,21 @@ def take_delta_fields(choice: Choice, stop: tuple[str, ...]) -> PackedDelta | No
     choice.pending_token_ids, choice.pending_logprobs = [], []
     choice.is_reported_finished = choice.is_finished
     return delta
+
+
+def take_output(
+    request: GenerateRequest, packed: bool, ended: bool = False
+) -> GenerateOutput | PackedOutput | None:
+    """What is new for the request since its last output (`packed`: as plain tuples,
+    api.PackedOutput, as an engine core in a process of its own sends them), its usage once
+    it has finished (or `ended`: aborted); None when nothing is new and it goes on."""
+    finished = ended or request.is_finished
+    stop = request.sampling.stop
+    fields = tuple(f for c in request.choices if (f := take_delta_fields(c, stop)) is not None)
+    if not (fields or finished):
+        return None
+    output: PackedOutput = (request.request_id, fields, request.usage() if finished else None)
+    return output if packed else unpack_output(output)
 
 
 def _finish(choice: Choice, reason: FinishReason, flush: bool = True) -> None:

@@ -32,9 +32,9 @@ from engine_shim.engine.api import (
     EngineStatus,
     FailedPreconditionError,
     FinishReason,
-    GenerateOutput,
     InvalidRequestError,
     KVLayout,
+    PackedOutput,
     SamplingParams,
     StatusFields,
     constant_status,
@@ -42,7 +42,13 @@ from engine_shim.engine.api import (
 )
 from engine_shim.engine.config import MODEL_PRESETS, EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendReady
-from engine_shim.engine.request import Choice, GenerateRequest, add_token, finish_choice, take_delta
+from engine_shim.engine.request import (
+    Choice,
+    GenerateRequest,
+    add_token,
+    finish_choice,
+    take_output,
+)
 from engine_shim.engine.sequence import SeqKind, SeqStatus, Sequence
 from microserving.tokenizer import Tokenizer
 
@@ -82,7 +88,10 @@ class SyntheticCore(TransferOps):
         self._streams: dict[Choice, TokenStream] = {}
         self._waiting: deque[Sequence] = deque()  # prompt KV still to compute, in order
         self._running: list[Sequence] = []  # decode rows
-        self._events: list[EngineEvent] = []
+        self._events: list[EngineEvent | PackedOutput] = []
+        # Outputs as plain tuples (api.PackedOutput), as LLMEngine makes them for a core in a
+        # process of its own (core_process.py sets it there).
+        self.packs_outputs = False
         self._device = DeviceClock()
         self._next_seq_id = 0
         self.num_steps = 0
@@ -170,11 +179,13 @@ class SyntheticCore(TransferOps):
                 if not choice.is_finished:
                     self._drop_seq(choice.seq)
                     finish_choice(choice, FinishReason.ABORT)
-            self._events.append(self._output(request, finished=True))
+            output = take_output(request, self.packs_outputs, ended=True)
+            assert output is not None  # an ended request always has its last output
+            self._events.append(output)
         return self._abort_transfer(request_id) or found
 
     # ---- the step ----
-    def step(self) -> list[EngineEvent]:
+    def step(self) -> list[EngineEvent | PackedOutput]:
         called_at = self._clock()
         self.reap_expired_reservations()
         decoding = list(self._running)
@@ -262,24 +273,15 @@ class SyntheticCore(TransferOps):
             self._drop_seq(seq)
 
     def _emit(self, request: GenerateRequest) -> None:
-        finished = request.is_finished
-        output = self._output(request, finished)
-        if output.deltas or finished:
+        output = take_output(request, self.packs_outputs)
+        if output is not None:
             self._events.append(output)
-        if finished:
+        if request.is_finished:
             self._requests.pop(request.request_id, None)
             for choice in request.choices:
                 self._streams.pop(choice, None)
 
-    def _output(self, request: GenerateRequest, finished: bool) -> GenerateOutput:
-        deltas = [take_delta(c, request.sampling.stop) for c in request.choices]
-        return GenerateOutput(
-            request_id=request.request_id,
-            deltas=tuple(d for d in deltas if d is not None),
-            usage=request.usage() if finished else None,
-        )
-
-    def _take_events(self) -> list[EngineEvent]:
+    def _take_events(self) -> list[EngineEvent | PackedOutput]:
         events, self._events = self._events, []
         return events
 

@@ -21,6 +21,7 @@ from engine_shim.engine.api import (
     InvalidRequestError,
     KVChunk,
     NotFoundError,
+    PackedOutput,
     PrepRecvResult,
     RequestAbortedError,
     ResourceExhaustedError,
@@ -63,7 +64,7 @@ class TransferOps:
     max_context_length: int
     pages: PagePool
     _waiting: Any  # deque[Sequence], owned by SyntheticCore
-    _events: list[EngineEvent]
+    _events: list[EngineEvent | PackedOutput]
     _requests: dict[str, Any]  # request id -> GenerateRequest, owned by SyntheticCore
 
     if TYPE_CHECKING:  # provided by SyntheticCore
