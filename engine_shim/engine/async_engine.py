@@ -74,8 +74,7 @@ class _ThreadDriver:
         loop = asyncio.get_running_loop()
         started: asyncio.Future[CoreFacts] = loop.create_future()
 
-        def emit(batch: list[tuple[Any, ...]], status: StatusFields) -> None:
-            loop.call_soon_threadsafe(deliver, batch, status)
+        handoff = _Handoff(loop, deliver)
 
         def main() -> None:
             try:
@@ -88,7 +87,7 @@ class _ThreadDriver:
                 return
             self.core = core
             loop.call_soon_threadsafe(_settle, started, facts, None)
-            CoreLoop(core, self, emit).run()
+            CoreLoop(core, self, handoff.emit).run()
 
         self._thread = threading.Thread(target=main, name="engine-loop", daemon=True)
         self._thread.start()
@@ -104,6 +103,38 @@ class _ThreadDriver:
         if self._thread is not None:
             self._calls.put(STOP)
             await asyncio.to_thread(self._thread.join)
+
+
+class _Handoff:
+    """The engine thread's batches into the event loop, in order, waking the loop only when
+    it has none pending: call_soon_threadsafe writes to the loop's self-pipe at every call
+    (8.5% of a decode shim's samples on the CPU bench, disagg at 64 streams, where calls and
+    steps flush several batches a step), and a loop behind the engine takes all it has
+    missed in one wake-up."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, deliver: Emit) -> None:
+        self._loop = loop
+        self._deliver = deliver
+        self._lock = threading.Lock()
+        self._pending: list[tuple[list[tuple[Any, ...]], StatusFields]] = []
+
+    def emit(self, batch: list[tuple[Any, ...]], status: StatusFields) -> None:
+        """In the engine thread."""
+        with self._lock:
+            self._pending.append((batch, status))
+            if len(self._pending) > 1:
+                return  # the loop is already called for what is pending
+        self._loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        """In the event loop."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for batch, status in pending:
+            try:
+                self._deliver(batch, status)
+            except Exception:  # as asyncio would for a callback of its own: the rest go on
+                logger.exception("delivering an engine batch failed")
 
 
 def _settle(future: asyncio.Future[Any], value: object, exc: BaseException | None) -> None:
