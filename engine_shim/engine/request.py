@@ -16,7 +16,6 @@ import torch
 from microserving.tokenizer import IncrementalDecoder, Tokenizer
 
 from .api import (
-    Delta,
     FinishReason,
     GenerateOutput,
     PackedDelta,
@@ -180,16 +179,10 @@ def finish_choice(choice: Choice, reason: FinishReason) -> None:
         _finish(choice, reason)
 
 
-def take_delta(choice: Choice, stop: tuple[str, ...]) -> Delta | None:
-    """What is new since the last delta. Text that could still grow into a stop string is
-    held back until it cannot (or the choice finishes)."""
-    fields = take_delta_fields(choice, stop)
-    return None if fields is None else Delta(*fields)
-
-
 def take_delta_fields(choice: Choice, stop: tuple[str, ...]) -> PackedDelta | None:
-    """`take_delta` as the Delta's fields in order, without building the Delta (an engine
-    core in its own process sends them so: api.PackedOutput)."""
+    """What is new since the last delta, as the Delta's fields in order (api.PackedDelta).
+    Text that could still grow into a stop string is held back until it cannot (or the
+    choice finishes)."""
     if choice.is_reported_finished:
         return None
     end = len(choice.text)

@@ -8,7 +8,7 @@ step's end on a simulated device clock (device_clock.py), so the host work done 
 step (text, deltas) overlaps the "device" as it does in the real engine.
 
 Output goes through the real engine's per-request machinery (engine/request.py: add_token,
-the byte tokenizer's incremental decoder, stop strings, take_delta), so detokenization costs
+the byte tokenizer's incremental decoder, stop strings, take_output), so detokenization costs
 what it costs in the real engine. The send/receive half is in transfer.py.
 """
 
