@@ -172,11 +172,10 @@ class Tokenizer:
         tokens' ids. decode() leaves out the specials (when skipping them) and every id
         without a token, which past `size` is what `has_token` says (below it, nearly never:
         a vocabulary with holes). Cheap: no walk of the vocabulary."""
-        size = int(self._backend.get_vocab_size(with_added_tokens=True))
         specials = frozenset(
             i for i, token in self._backend.get_added_tokens_decoder().items() if token.special
         )
-        return size, specials
+        return self.vocab_size, specials
 
     def has_token(self, token_id: int) -> bool:
         return self._backend.id_to_token(token_id) is not None

@@ -130,7 +130,7 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
                 for staggered in (False, True):
                     profiler = None if not (args.profile_s and staggered and round_index == 0
                                             and streams == max(streams_list)) else \
-                        profiling.record(alone.pid or 0, args.out / f"profile-alone-{streams}.txt",
+                        profiling.record(alone.pid, args.out / f"profile-alone-{streams}.txt",
                                          args.profile_s, args.py_spy_arg)
                     result = alone.run(streams, spec.input_len, spec.output_len,
                                        _num_requests(args, spec, streams) or 8 * streams,

@@ -59,8 +59,10 @@ class EngineAlone:
         self._call("started")
 
     @property
-    def pid(self) -> int | None:
-        return self._process.pid
+    def pid(self) -> int:
+        pid = self._process.pid
+        assert pid is not None  # started in __init__
+        return pid
 
     def run(self, streams: int, input_len: int, output_len: int, num_requests: int,
             seed: int, staggered: bool = False) -> AloneResult:

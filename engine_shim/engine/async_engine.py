@@ -218,8 +218,6 @@ class AsyncEngine:
         self._lost_reason = self._loop.create_future()
         facts = await self._driver.start(self._deliver, self._lost)
         self._facts = facts
-        if self._status_fields is None:  # no batch yet: the status the core started with
-            self._status = facts.status
 
     async def shutdown(self) -> None:
         if self._loop is None or self._is_stopping:
@@ -273,9 +271,11 @@ class AsyncEngine:
     def status(self) -> EngineStatus:
         """The snapshot the core sent with its latest results or step."""
         if self._status is None:
-            if self._facts is None or self._status_fields is None:
+            if self._facts is None:
                 raise UnavailableError("engine not started")
-            self._status = status_from_fields(self._facts.status, self._status_fields)
+            started, fields = self._facts.status, self._status_fields
+            # no batch yet: the status the core started with
+            self._status = started if fields is None else status_from_fields(started, fields)
         return self._status
 
     # ---- MicroServing ops ----
