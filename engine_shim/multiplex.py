@@ -8,19 +8,28 @@ output queue up); the stream's writer sends the whole message whenever it is fre
 first and last outputs go out as soon as the writer can write; errors end only their request, with the
 status code StartGenerate would have given; `cancel`, the caller going away or the stream
 breaking cancel the per-request tasks, which aborts those requests on the engine.
+
+The stream also carries PrepRecv and RemoteSend (`StreamCalls`, the servicer's own): each runs
+as a task of its own under its request id and ends with one output holding its result or its
+error, written at once; `cancel` cancels it as cancelling the unary call would. A call costs
+the caller a message each way on a stream it already has, not a call (HTTP/2 stream, task,
+metadata) each.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import Message
 
 from engine_shim.convert import add_generate_output
 from engine_shim.engine.api import EngineError, GenerateOutput
 from engine_shim.errors import status_code_for
+from microserving import tracing
 from microserving.multiplex import Batcher
 from microserving.v1 import engine_pb2
 
@@ -33,19 +42,35 @@ RunFn = Callable[
 ]
 
 
+class StreamCalls(Protocol):
+    """PrepRecv and RemoteSend as the unary calls run them (the servicer), given the trace
+    context the message carries; they raise what the unary calls would."""
+
+    async def prep_recv(
+        self, request: engine_pb2.PrepRecvRequest, traceparent: str
+    ) -> engine_pb2.PrepRecvResponse: ...
+
+    async def remote_send(
+        self, request: engine_pb2.RemoteSendRequest, traceparent: str
+    ) -> engine_pb2.RemoteSendResponse: ...
+
+
 class GenerateMultiplexer:
     """One Engine.Generate stream: per-request tasks in, batched messages out."""
 
     def __init__(self, run: RunFn, stream_interval_s: float = 0.0,
-                 updates_per_s: float = 0.0) -> None:
+                 updates_per_s: float = 0.0, calls: StreamCalls | None = None) -> None:
         """`stream_interval_s`: least time between two messages that carry no request's first
         output (0: a message whenever the writer is free, i.e. one per engine step).
         `updates_per_s`: with N requests running, messages are at least N / updates_per_s
         apart, so the stream carries at most that many request updates a second whatever the
         concurrency (every hop downstream pays per update: a gRPC entry, an SSE chunk, a
-        socket write); 0: no such bound."""
+        socket write); 0: no such bound. `calls`: what runs the PrepRecv and RemoteSend made on
+        the stream (None: they fail UNIMPLEMENTED)."""
         self._run_request = run
+        self._calls = calls
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self._call_ids: set[str] = set()  # tasks that run a call, not a generation
         self._stream_interval_s = stream_interval_s
         self._updates_per_s = updates_per_s
         self._out: Batcher[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = \
@@ -78,37 +103,52 @@ class GenerateMultiplexer:
             async for message in requests:
                 action = message.WhichOneof("action")
                 if action == "start":
-                    self._begin(message.start)
+                    self._begin(message.start.request_id, self._run(message.start))
                 elif action == "cancel":
                     self._cancel(message.cancel.request_id)
+                elif action == "prep_recv" or action == "remote_send":
+                    self._begin_call(action, getattr(message, action))
                 else:
-                    logger.warning("Engine.Generate: a message with neither start nor cancel, ignored")
+                    logger.warning("Engine.Generate: a message with no known action, ignored")
         finally:
             self._is_reading = False
             self._close_if_idle()
 
-    def _begin(self, start: engine_pb2.StartGenerateRequest) -> None:
-        request_id = start.request_id
+    def _begin(self, request_id: str, work: Coroutine[Any, Any, None], is_call: bool = False) -> None:
         if request_id in self._tasks:
+            work.close()
             # Their outputs could not be told apart: the running request ends too.
             self._cancel(request_id)
             self._fail(request_id, grpc.StatusCode.ALREADY_EXISTS,
                        f"request {request_id!r} was already active on this stream; both are aborted")
             return
-        task = asyncio.get_running_loop().create_task(self._run(start))
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks[request_id] = task
+        if is_call:
+            self._call_ids.add(request_id)
         self._set_interval()
+
+    def _begin_call(self, action: str, request: engine_pb2.PrepRecvRequest | engine_pb2.RemoteSendRequest) -> None:
+        calls = self._calls
+        if calls is None:
+            self._fail(request.request_id, grpc.StatusCode.UNIMPLEMENTED,
+                       f"this engine does not take {action} on Engine.Generate")
+            return
+        run: Callable[[Any, str], Awaitable[Message]] = getattr(calls, action)
+        self._begin(request.request_id, self._run_call(action, run, request), is_call=True)
 
     def _set_interval(self) -> None:
         interval_s = self._stream_interval_s
-        if self._updates_per_s:
-            interval_s = max(interval_s, len(self._tasks) / self._updates_per_s)
+        if self._updates_per_s:  # generations only: a call sends one output, at once
+            num_running = len(self._tasks) - len(self._call_ids)
+            interval_s = max(interval_s, num_running / self._updates_per_s)
         self._out.min_interval_s = interval_s
 
     def _cancel(self, request_id: str) -> None:
         task = self._tasks.pop(request_id, None)
         if task is not None:
             task.cancel()
+            self._call_ids.discard(request_id)
         self._out.discard(request_id)  # nothing more goes out for a cancelled request
 
     def _on_output(self, request_id: str, output: GenerateOutput) -> None:
@@ -126,24 +166,43 @@ class GenerateMultiplexer:
 
     async def _run(self, start: engine_pb2.StartGenerateRequest) -> None:
         request_id = start.request_id
+        await self._guarded(request_id, self._run_request(
+            start, lambda output: self._on_output(request_id, output)))
+
+    async def _run_call(self, action: str, run: Callable[[Any, str], Awaitable[Message]],
+                        request: engine_pb2.PrepRecvRequest | engine_pb2.RemoteSendRequest) -> None:
+        async def call() -> None:
+            result = await run(request, tracing.valid_traceparent(request.traceparent))
+            entry, _ = self._out.keyed(request.request_id, urgent=True, request_id=request.request_id)
+            getattr(entry, action).CopyFrom(result)
+            self._out.seal(request.request_id)
+
+        await self._guarded(request.request_id, call())
+
+    async def _guarded(self, request_id: str, work: Awaitable[None]) -> None:
+        """Runs one request's task: its errors end it (not the stream) with the status code the
+        unary call would have had."""
         try:
-            await self._run_request(start, lambda output: self._on_output(request_id, output))
+            await work
         except asyncio.CancelledError:
             raise
         except EngineError as error:
-            self._fail(request_id, status_code_for(error), str(error) or type(error).__name__)
+            self._fail(request_id, status_code_for(error), str(error) or type(error).__name__,
+                       getattr(error, "fault", None) or "")
         except Exception:  # noqa: BLE001 - one request's failure must not end the stream
             logger.exception("Engine.Generate: request %s failed", request_id)
             self._fail(request_id, grpc.StatusCode.INTERNAL, "internal error")
         finally:
             if self._tasks.get(request_id) is asyncio.current_task():
                 del self._tasks[request_id]
+                self._call_ids.discard(request_id)
                 self._has_output.discard(request_id)
                 self._set_interval()
                 self._close_if_idle()
 
-    def _fail(self, request_id: str, code: grpc.StatusCode, message: str) -> None:
+    def _fail(self, request_id: str, code: grpc.StatusCode, message: str, fault: str = "") -> None:
         entry, _ = self._out.keyed(request_id, urgent=True, request_id=request_id)
         entry.error.code = code.value[0]
         entry.error.message = message
+        entry.error.fault = fault
         self._out.seal(request_id)

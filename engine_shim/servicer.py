@@ -62,12 +62,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def PrepRecv(
         self, request: engine_pb2.PrepRecvRequest, context: aio.ServicerContext
     ) -> engine_pb2.PrepRecvResponse:
+        return await self.prep_recv(request, tracing.from_metadata(context.invocation_metadata()))
+
+    async def prep_recv(
+        self, request: engine_pb2.PrepRecvRequest, traceparent: str
+    ) -> engine_pb2.PrepRecvResponse:
+        """PrepRecv, as a unary call or on an Engine.Generate stream (GenerateMultiplexer)."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         end = validation.prep_recv_end(request.end, len(tokens))
         self._tracker.begin_prep_recv(request.request_id)
         reserved_end: int | None = None
         try:
-            with _span("shim.prep_recv", request.request_id, tracing.from_metadata(context.invocation_metadata())):
+            with _span("shim.prep_recv", request.request_id, traceparent):
                 reservation = await self._backend.prep_recv(request.request_id, tokens, end, sampling)
             reserved_end = reservation.end
         finally:
@@ -82,13 +88,18 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def RemoteSend(
         self, request: engine_pb2.RemoteSendRequest, context: aio.ServicerContext
     ) -> engine_pb2.RemoteSendResponse:
+        return await self.remote_send(request, tracing.from_metadata(context.invocation_metadata()))
+
+    async def remote_send(
+        self, request: engine_pb2.RemoteSendRequest, traceparent: str
+    ) -> engine_pb2.RemoteSendResponse:
+        """RemoteSend, as a unary call or on an Engine.Generate stream (GenerateMultiplexer)."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin, end = validation.remote_send_window(request.begin, request.end, len(tokens))
         validation.check_kv_addr_info(request.kv_addr_info)
         self._tracker.begin_remote_send(request.request_id)
         try:
-            with _span("shim.remote_send", request.request_id,
-                       tracing.from_metadata(context.invocation_metadata())):
+            with _span("shim.remote_send", request.request_id, traceparent):
                 result = await self._backend.remote_send(
                     request.request_id,
                     tokens,
@@ -122,7 +133,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         context: aio.ServicerContext,
     ) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:
         multiplexer = GenerateMultiplexer(
-            self._run_generate, self._stream_interval_s, self._stream_updates_per_s)
+            self._run_generate, self._stream_interval_s, self._stream_updates_per_s, calls=self)
         async for batch in multiplexer.serve(request_iterator):
             yield batch
 
@@ -178,13 +189,15 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._backend.tell_peers(request.kv_peers)
         info = self._backend.info
         status = await self._backend.status()
-        return status_to_pb(
+        response = status_to_pb(
             status,
             backend=info.name,
             device=info.device,
             role=self._role,
             is_draining=self.is_draining,
         )
+        response.serves_stream_calls = True  # Generate below takes prep_recv and remote_send
+        return response
 
 
 def _span(name: str, request_id: str, traceparent: str) -> tracing.Span:

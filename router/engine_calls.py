@@ -24,7 +24,7 @@ from microserving.v1 import engine_pb2
 from router.attempt import Attempt, EngineJob
 from router.deadlines import StageDeadline
 from router.endpoint import STAGE_DECODE, STAGE_PREP_RECV, STAGE_REMOTE_SEND, Endpoint
-from router.engines import Engines
+from router.engines import Engines, EngineStream
 from router.metrics import RouterMetrics
 from router.policies import normalise_end
 from router.streamed_decode import StreamedDecode
@@ -45,10 +45,18 @@ async def prep_recv(
         request_id=job.request_id, token_ids=job.token_ids, end=end, sampling=job.sampling
     )
     started_s = time.perf_counter()
+    timeout_s = engines.settings.prep_recv_timeout_s
+    stream = _call_stream(engines, endpoint, job, attempt)
     try:
         with endpoint.track(STAGE_PREP_RECV), _span("prep_recv", endpoint, job, attempt.traceparent) as span:
-            reply = await endpoint.stub.PrepRecv(message, timeout=engines.settings.prep_recv_timeout_s,
-                                                 metadata=tracing.metadata(span.traceparent))
+            if stream is None:
+                reply = await endpoint.stub.PrepRecv(message, timeout=timeout_s,
+                                                     metadata=tracing.metadata(span.traceparent))
+            else:
+                message.traceparent = span.traceparent
+                output = await stream.call(job.request_id, engine_pb2.EngineGenerateRequest(prep_recv=message),
+                                           timeout_s)
+                reply = output.prep_recv
     except grpc.aio.AioRpcError as exc:
         raise engines.call_failed(exc, endpoint.address, "prep_recv") from exc
     engines.metrics.engine_call_s.labels(endpoint.address, "prep_recv").observe(time.perf_counter() - started_s)
@@ -68,15 +76,31 @@ async def remote_send(
         kv_addr_info=kv_addr_info, recv_rank=recv_rank, sampling=job.sampling,
     )
     started_s = time.perf_counter()
+    timeout_s = engines.settings.remote_send_timeout_s
+    stream = _call_stream(engines, endpoint, job, attempt)
     try:
         with endpoint.track(STAGE_REMOTE_SEND), _span("remote_send", endpoint, job, attempt.traceparent) as span:
-            await endpoint.stub.RemoteSend(message, timeout=engines.settings.remote_send_timeout_s,
-                                           metadata=tracing.metadata(span.traceparent))
+            if stream is None:
+                await endpoint.stub.RemoteSend(message, timeout=timeout_s,
+                                               metadata=tracing.metadata(span.traceparent))
+            else:
+                message.traceparent = span.traceparent
+                await stream.call(job.request_id, engine_pb2.EngineGenerateRequest(remote_send=message),
+                                  timeout_s)
     except grpc.aio.AioRpcError as exc:
         at_fault = receiver if receiver is not None and _blames_receiver(exc) else endpoint.address
         raise engines.call_failed(exc, at_fault, "remote_send") from exc
     num_tokens = normalise_end(end, len(job.token_ids)) - begin
     observe_remote_send(engines.metrics, endpoint, num_tokens, time.perf_counter() - started_s)
+
+
+def _call_stream(engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt) -> EngineStream | None:
+    """The engine's multiplexed stream when the call can go there (the runner's fast path, an
+    engine that serves calls on it), else None: the unary call."""
+    if not attempt.use_engine_stream:
+        return None
+    stream = engines.stream(endpoint)
+    return stream if stream.takes_calls(job.request_id) else None
 
 
 def _blames_receiver(exc: grpc.aio.AioRpcError) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import grpc
 
 from microserving.multiplex import MultiplexedCall, Sink
+from microserving.transport import FAULT_METADATA_KEY, status_code
 from microserving.v1 import engine_pb2, router_pb2
 from router.attempt import Attempt
 from router.discovery import parse_engine_spec
@@ -61,6 +62,41 @@ class EngineStream:
         message = engine_pb2.EngineGenerateRequest(start=request)
         await self._current().start(request.request_id, message, sink)
 
+    def takes_calls(self, request_id: str) -> bool:
+        """Whether a PrepRecv or RemoteSend for `request_id` can go on this stream: the engine
+        says it serves them there (its last status) and the id is not open on the stream."""
+        status = self.endpoint.status
+        if not self.is_supported or status is None or not status.serves_stream_calls:
+            return False
+        call = self._call
+        return call is None or request_id not in call.routes
+
+    async def call(self, request_id: str, message: engine_pb2.EngineGenerateRequest,
+                   timeout_s: float | None) -> engine_pb2.GenerateOutput:
+        """A PrepRecv or RemoteSend made on the stream: its one output, or the
+        grpc.aio.AioRpcError the unary call would have raised (the engine's error with its
+        fault as trailing metadata, DEADLINE_EXCEEDED after `timeout_s`, the stream's failure).
+        Cancelling the caller or the deadline cancels the call on the engine."""
+        reply = _Reply()
+        await self._current().start(request_id, message, reply)
+        try:
+            async with asyncio.timeout(timeout_s):
+                output = await reply.future
+        except TimeoutError:
+            self.cancel(request_id)
+            raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
+                                       grpc.aio.Metadata(), "Deadline Exceeded") from None
+        except asyncio.CancelledError:
+            self.cancel(request_id)
+            raise
+        if output.HasField("error"):
+            error = output.error
+            trailing = grpc.aio.Metadata((FAULT_METADATA_KEY, error.fault)) if error.fault else \
+                grpc.aio.Metadata()
+            raise grpc.aio.AioRpcError(status_code(error.code), grpc.aio.Metadata(), trailing,
+                                       error.message)
+        return output
+
     def cancel(self, request_id: str) -> None:
         """Abort a request that has not ended (no-op otherwise); its output is dropped."""
         if self._call is not None:
@@ -70,6 +106,23 @@ class EngineStream:
     async def close(self) -> None:
         if self._call is not None:
             await self._call.close()
+
+
+class _Reply:
+    """The sink of a call made on an engine stream: its one output, or the stream's failure."""
+
+    def __init__(self) -> None:
+        self.future: asyncio.Future[engine_pb2.GenerateOutput] = \
+            asyncio.get_running_loop().create_future()
+
+    def deliver(self, output: engine_pb2.GenerateOutput) -> bool:
+        if not self.future.done():
+            self.future.set_result(output)
+        return True
+
+    def fail(self, error: grpc.aio.AioRpcError) -> None:
+        if not self.future.done():
+            self.future.set_exception(error)
 
 
 def _outputs_of(message: engine_pb2.EngineGenerateResponse) -> Sequence[engine_pb2.GenerateOutput]:

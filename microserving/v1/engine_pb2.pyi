@@ -43,12 +43,17 @@ class PrepRecvRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     END_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id of the request; the same id is used for RemoteSend on the sender and
     StartGenerate here. 1..256 printable ASCII characters.
     """
     end: _builtins.int
     """End of the window to receive (exclusive); negative values count from the end."""
+    traceparent: _builtins.str
+    """W3C trace context of the request, for a PrepRecv on an Engine.Generate stream (no
+    per-call metadata there); empty: none. The unary call carries `traceparent` metadata.
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The whole prompt as token ids (the same ids the other calls of this request carry)."""
@@ -64,10 +69,11 @@ class PrepRecvRequest(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         end: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -121,6 +127,7 @@ class RemoteSendRequest(_message.Message):
     KV_ADDR_INFO_FIELD_NUMBER: _builtins.int
     RECV_RANK_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Id of the request (the same as the receiver's PrepRecv)."""
     begin: _builtins.int
@@ -132,6 +139,10 @@ class RemoteSendRequest(_message.Message):
     recv_rank: _builtins.int
     """The receiving engine's first GPU rank in the shared NVSHMEM world (MLC backend);
     ignored by the embedded backend.
+    """
+    traceparent: _builtins.str
+    """W3C trace context of the request, for a RemoteSend on an Engine.Generate stream (no
+    per-call metadata there); empty: none. The unary call carries `traceparent` metadata.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -151,10 +162,11 @@ class RemoteSendRequest(_message.Message):
         kv_addr_info: _builtins.bytes = ...,
         recv_rank: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -298,25 +310,37 @@ class EngineGenerateRequest(_message.Message):
 
     START_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    PREP_RECV_FIELD_NUMBER: _builtins.int
+    REMOTE_SEND_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def start(self) -> Global___StartGenerateRequest:
         """Start a request: the same fields and checks as Engine.StartGenerate."""
 
     @_builtins.property
     def cancel(self) -> Global___GenerateCancel:
-        """Abort a request started on this stream."""
+        """Abort a request started on this stream, or cancel a call made on it."""
+
+    @_builtins.property
+    def prep_recv(self) -> Global___PrepRecvRequest:
+        """PrepRecv on this stream (engines whose status has `serves_stream_calls`)."""
+
+    @_builtins.property
+    def remote_send(self) -> Global___RemoteSendRequest:
+        """RemoteSend on this stream (engines whose status has `serves_stream_calls`)."""
 
     def __init__(
         self,
         *,
         start: Global___StartGenerateRequest | None = ...,
         cancel: Global___GenerateCancel | None = ...,
+        prep_recv: Global___PrepRecvRequest | None = ...,
+        remote_send: Global___RemoteSendRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "prep_recv", "remote_send"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 
@@ -330,6 +354,7 @@ class GenerateError(_message.Message):
 
     CODE_FIELD_NUMBER: _builtins.int
     MESSAGE_FIELD_NUMBER: _builtins.int
+    FAULT_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """A gRPC status code number (google.rpc.Code), the one StartGenerate would have ended
     with: 3 INVALID_ARGUMENT, 6 ALREADY_EXISTS, 9 FAILED_PRECONDITION, 8 RESOURCE_EXHAUSTED,
@@ -337,15 +362,20 @@ class GenerateError(_message.Message):
     """
     message: _builtins.str
     """A plain explanation for humans."""
+    fault: _builtins.str
+    """Who is at fault when it is not this engine, as the `microserving-fault` trailing
+    metadata of the unary call would say: "receiver" (RemoteSend: the KV receiver failed).
+    """
     def __init__(
         self,
         *,
         code: _builtins.int = ...,
         message: _builtins.str = ...,
+        fault: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "fault", b"fault", "message", b"message"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -361,6 +391,8 @@ class GenerateOutput(_message.Message):
     CHOICES_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    PREP_RECV_FIELD_NUMBER: _builtins.int
+    REMOTE_SEND_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this output belongs to."""
     @_builtins.property
@@ -377,6 +409,14 @@ class GenerateOutput(_message.Message):
     def error(self) -> Global___GenerateError:
         """Set when the request failed (its last output)."""
 
+    @_builtins.property
+    def prep_recv(self) -> Global___PrepRecvResponse:
+        """The result of a `prep_recv` made on the stream (its only output)."""
+
+    @_builtins.property
+    def remote_send(self) -> Global___RemoteSendResponse:
+        """The result of a `remote_send` made on the stream (its only output)."""
+
     def __init__(
         self,
         *,
@@ -384,10 +424,12 @@ class GenerateOutput(_message.Message):
         choices: _abc.Iterable[_common_pb2.ChoiceDelta] | None = ...,
         usage: _common_pb2.Usage | None = ...,
         error: Global___GenerateError | None = ...,
+        prep_recv: Global___PrepRecvResponse | None = ...,
+        remote_send: Global___RemoteSendResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "usage", b"usage"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "error", b"error", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "error", b"error", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -589,6 +631,7 @@ class GetStatusResponse(_message.Message):
     BACKEND_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     IS_DRAINING_FIELD_NUMBER: _builtins.int
+    SERVES_STREAM_CALLS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model id as clients name it (e.g. "tiny" or the model directory's name)."""
     num_running_requests: _builtins.int
@@ -609,6 +652,10 @@ class GetStatusResponse(_message.Message):
     """Device the engine runs on, e.g. "cpu", "cuda:0"."""
     is_draining: _builtins.bool
     """True while the shim drains for shutdown (new requests are refused with UNAVAILABLE)."""
+    serves_stream_calls: _builtins.bool
+    """Engine.Generate also carries PrepRecv and RemoteSend (EngineGenerateRequest.prep_recv,
+    remote_send): a caller may make them there, a message each instead of a call each.
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KVLayout:
         """The KV layout, including the model fingerprint."""
@@ -637,10 +684,11 @@ class GetStatusResponse(_message.Message):
         backend: _builtins.str = ...,
         device: _builtins.str = ...,
         is_draining: _builtins.bool = ...,
+        serves_stream_calls: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout", "prefix_cache", b"prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -113,6 +113,12 @@ class EngineServicer:
         ALREADY_EXISTS (their outputs could not be told apart). When the caller
         half-closes, the stream ends once every started request has ended; when the stream
         breaks or is cancelled, every request on it is aborted.
+        An engine whose status has `serves_stream_calls` also takes `prep_recv` and
+        `remote_send` on the stream: exactly PrepRecv's and RemoteSend's input and checks, tagged
+        by request_id; their one output carries the call's result (`prep_recv`, `remote_send`) or
+        its `error` (with `fault` where RemoteSend would have set the trailing metadata), and
+        `cancel` cancels the call as cancelling the unary call would. A request id names one
+        thing at a time on a stream: a call or a generation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

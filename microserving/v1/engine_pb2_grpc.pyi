@@ -77,6 +77,12 @@ class EngineStub:
     ALREADY_EXISTS (their outputs could not be told apart). When the caller
     half-closes, the stream ends once every started request has ended; when the stream
     breaks or is cancelled, every request on it is aborted.
+    An engine whose status has `serves_stream_calls` also takes `prep_recv` and
+    `remote_send` on the stream: exactly PrepRecv's and RemoteSend's input and checks, tagged
+    by request_id; their one output carries the call's result (`prep_recv`, `remote_send`) or
+    its `error` (with `fault` where RemoteSend would have set the trailing metadata), and
+    `cancel` cancels the call as cancelling the unary call would. A request id names one
+    thing at a time on a stream: a call or a generation.
     """
     Abort: _grpc.UnaryUnaryMultiCallable[_engine_pb2.AbortRequest, _engine_pb2.AbortResponse]
     """Abort a request: stop generating and free every KV page and reservation it holds."""
@@ -118,6 +124,12 @@ class EngineAsyncStub(EngineStub):
     ALREADY_EXISTS (their outputs could not be told apart). When the caller
     half-closes, the stream ends once every started request has ended; when the stream
     breaks or is cancelled, every request on it is aborted.
+    An engine whose status has `serves_stream_calls` also takes `prep_recv` and
+    `remote_send` on the stream: exactly PrepRecv's and RemoteSend's input and checks, tagged
+    by request_id; their one output carries the call's result (`prep_recv`, `remote_send`) or
+    its `error` (with `fault` where RemoteSend would have set the trailing metadata), and
+    `cancel` cancels the call as cancelling the unary call would. A request id names one
+    thing at a time on a stream: a call or a generation.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_engine_pb2.AbortRequest, _engine_pb2.AbortResponse]  # type: ignore[assignment]
     """Abort a request: stop generating and free every KV page and reservation it holds."""
@@ -180,6 +192,12 @@ class EngineServicer(metaclass=_abc_1.ABCMeta):
         ALREADY_EXISTS (their outputs could not be told apart). When the caller
         half-closes, the stream ends once every started request has ended; when the stream
         breaks or is cancelled, every request on it is aborted.
+        An engine whose status has `serves_stream_calls` also takes `prep_recv` and
+        `remote_send` on the stream: exactly PrepRecv's and RemoteSend's input and checks, tagged
+        by request_id; their one output carries the call's result (`prep_recv`, `remote_send`) or
+        its `error` (with `fault` where RemoteSend would have set the trailing metadata), and
+        `cancel` cancels the call as cancelling the unary call would. A request id names one
+        thing at a time on a stream: a call or a generation.
         """
 
     @_abc_1.abstractmethod

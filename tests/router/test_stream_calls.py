@@ -1,0 +1,50 @@
+"""The router makes a disagg request's PrepRecv and RemoteSend on the engines' multiplexed
+Generate streams (a message each, not a call each) when the engines say they serve them
+there, and the tokens are exactly one engine's alone; with the engine streams off
+(`engine_stream=False`) the same calls go unary and give the same tokens."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+from router_stack import engine_alone, generate, greedy, router_settings, running_router, wait_for
+
+from microserving.v1 import engine_pb2, router_pb2
+from router import Router
+from router.engines import EngineStream
+
+_ids = itertools.count()
+
+
+@pytest.mark.parametrize("engine_stream", [True, False])
+async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_stream: bool) -> None:
+    made: list[tuple[str, str]] = []  # (call, engine address) of every call made on a stream
+    real_call = EngineStream.call
+
+    async def recorded(self: EngineStream, request_id: str, message: engine_pb2.EngineGenerateRequest,
+                       timeout_s: float | None) -> Any:
+        made.append((str(message.WhichOneof("action")), self.endpoint.address))
+        return await real_call(self, request_id, message, timeout_s)
+
+    monkeypatch.setattr(EngineStream, "call", recorded)
+    prefill, decode = shims[0].address, shims[1].address
+    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
+                                             engine_stream=engine_stream))
+    # A prompt no engine has cached, long enough for P to send KV.
+    tokens = [*range(30, 90), 7 + next(_ids)]
+    async with running_router(router) as (_, stub):
+        async def statuses_known() -> bool:
+            return all(e.status is not None for e in router.registry.endpoints)
+
+        assert await wait_for(statuses_known)
+        results = await generate(stub, router_pb2.NewRequest(
+            request_id="r", token_ids=router_pb2.TokenIds(ids=tokens), sampling=greedy()))
+    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-{engine_stream}-{next(_ids)}")
+    got = results["r"]
+    assert got.error is None, got.error
+    assert got.token_ids == want
+    assert got.done is not None and len(got.done.engines) == 2  # P computed, D decoded
+    expected = [("prep_recv", decode), ("remote_send", prefill)] if engine_stream else []
+    assert made == expected
