@@ -54,6 +54,13 @@ class StreamCalls(Protocol):
         self, request: engine_pb2.RemoteSendRequest, traceparent: str
     ) -> engine_pb2.RemoteSendResponse: ...
 
+    async def abort(self, request_id: str) -> bool:
+        """Engine.Abort: frees whatever the request holds on the engine."""
+        ...
+
+
+_ABORTS: set[asyncio.Task[None]] = set()  # aborts after a cancel, referenced until they end
+
 
 class GenerateMultiplexer:
     """One Engine.Generate stream: per-request tasks in, batched messages out."""
@@ -92,6 +99,8 @@ class GenerateMultiplexer:
             tasks = list(self._tasks.values())
             for task in tasks:
                 task.cancel()
+            for request_id in self._call_ids:  # calls cut off: what they did is undone
+                self._abort_after(request_id, self._tasks.get(request_id))
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
     def _close_if_idle(self) -> None:
@@ -146,10 +155,34 @@ class GenerateMultiplexer:
 
     def _cancel(self, request_id: str) -> None:
         task = self._tasks.pop(request_id, None)
+        was_call = request_id in self._call_ids
+        self._call_ids.discard(request_id)
         if task is not None:
-            task.cancel()
-            self._call_ids.discard(request_id)
+            task.cancel()  # a generation's task aborts its request as it ends
         self._out.discard(request_id)  # nothing more goes out for a cancelled request
+        if was_call or task is None:
+            # A call may have done its work on the engine (a reservation made, KV computed)
+            # before the cancel came, and one that ended did: the request is aborted on the
+            # engine, as the caller's Abort would. The caller's Abort is no substitute: it
+            # travels on a call of its own and may overtake the call's message on this stream.
+            self._abort_after(request_id, task)
+
+    def _abort_after(self, request_id: str, task: asyncio.Task[None] | None) -> None:
+        calls = self._calls
+        if calls is None:
+            return
+
+        async def abort() -> None:
+            if task is not None:
+                await asyncio.gather(task, return_exceptions=True)  # its cancellation settles first
+            try:
+                await calls.abort(request_id)
+            except Exception as error:  # noqa: BLE001 - e.g. an invalid id: nothing to abort
+                logger.debug("Engine.Generate: abort of %r after its cancel: %s", request_id, error)
+
+        aborting = asyncio.get_running_loop().create_task(abort())
+        _ABORTS.add(aborting)  # runs to its end even after the stream ends
+        aborting.add_done_callback(_ABORTS.discard)
 
     def _on_output(self, request_id: str, output: GenerateOutput) -> None:
         is_first = request_id not in self._has_output

@@ -175,10 +175,13 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     async def Abort(
         self, request: engine_pb2.AbortRequest, context: aio.ServicerContext
     ) -> engine_pb2.AbortResponse:
-        validation.check_request_id(request.request_id)
-        self._tracker.forget(request.request_id)
-        was_active = await self._backend.abort(request.request_id)
-        return engine_pb2.AbortResponse(was_active=was_active)
+        return engine_pb2.AbortResponse(was_active=await self.abort(request.request_id))
+
+    async def abort(self, request_id: str) -> bool:
+        """Abort, as the unary call or after a call cancelled on an Engine.Generate stream."""
+        validation.check_request_id(request_id)
+        self._tracker.forget(request_id)
+        return bool(await self._backend.abort(request_id))
 
     @map_errors
     async def GetStatus(

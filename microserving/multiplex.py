@@ -15,8 +15,9 @@ gateway's router streams (client end). Two pieces serve all four:
   inter-token granularity for CPU on every downstream hop.
 * `MultiplexedCall` (the client end): one reader task hands each entry of each incoming
   message straight to the sink registered for its request id (no task switch and no queue per
-  request), and writes are serialized (grpc.aio allows one in flight per call) in tasks of
-  their own, so cancelling a caller never cancels the call and with it every request on it.
+  request), and one writer task writes what the callers queue, in order (grpc.aio allows one
+  write in flight per call), so cancelling a caller never cancels the call and with it every
+  request on it, and a write costs a queue entry, not a task of its own.
   When the call breaks, every request on it gets the failure, and the owner opens a new call.
 
 Imports grpcio only; each service brings its own messages.
@@ -25,8 +26,9 @@ Imports grpcio only; each service brings its own messages.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
-from collections.abc import Callable, Coroutine, Hashable, Iterable, MutableSequence
+from collections.abc import Callable, Hashable, Iterable, MutableSequence
 from typing import Any, Generic, Protocol, TypeVar
 
 import grpc
@@ -197,9 +199,14 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
         self._entries_of = entries_of
         self._id_of = id_of
         self._on_broken = on_broken
-        self._write_lock = asyncio.Lock()
-        self._background: set[asyncio.Task[Any]] = set()
-        self._reader = asyncio.get_running_loop().create_task(self._read())
+        # Messages to write, in order, each with the future its writer waits on (None: nobody
+        # waits). One writer task writes them (grpc.aio allows one write in flight per call),
+        # so a write costs a queue entry, not a task, a lock and a wait of its own.
+        self._outgoing: collections.deque[tuple[Any, asyncio.Future[None] | None]] = collections.deque()
+        self._writer_idle: asyncio.Future[None] | None = None
+        loop = asyncio.get_running_loop()
+        self._reader = loop.create_task(self._read())
+        self._writer = loop.create_task(self._write_all())
 
     def is_usable(self) -> bool:
         return self.broken is None and not self.call.done()
@@ -243,45 +250,69 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
         if self._on_broken is not None:
             self._on_broken(error)
         # Writes still queued or in flight on the dead call end now (one can wait forever for
-        # initial metadata that a cancelled call never sends, holding the lock: seen when the
-        # router was killed under load); their callers get `error` (see `write`).
+        # initial metadata that a cancelled call never sends: seen when the router was killed
+        # under load); their callers get `error` (see `write`).
+        while self._outgoing:
+            _, written = self._outgoing.popleft()
+            if written is not None and not written.done():
+                written.set_exception(copy_error(error))
         current = asyncio.current_task()
-        for task in (self._reader, *self._background):
+        for task in (self._reader, self._writer):
             if task is not current:
                 task.cancel()
 
-    async def _locked_write(self, message: Any) -> None:
-        async with self._write_lock:
-            if self.broken is not None:
-                raise copy_error(self.broken)
-            try:
-                await self.call.write(message)
-            except aio.AioRpcError as error:
-                # Request errors travel in-band, so a write that fails with INTERNAL is grpc
-                # core's "Internal error from Core": the connection broke (peer killed or
-                # restarting) and the caller should retry: UNAVAILABLE.
-                mapped = error if error.code() is not grpc.StatusCode.INTERNAL else \
-                    unavailable("the connection broke")
-                self.fail(mapped)
-                raise copy_error(mapped) from None
-            except asyncio.InvalidStateError:  # the peer ended the call (OK) under the write
-                self.fail(unavailable("the stream ended early"))
-                raise copy_error(self.broken or unavailable("")) from None
+    async def _write_all(self) -> None:
+        outgoing = self._outgoing
+        written: asyncio.Future[None] | None = None
+        try:
+            while True:
+                if not outgoing:
+                    self._writer_idle = asyncio.get_running_loop().create_future()
+                    await self._writer_idle
+                    continue
+                message, written = outgoing.popleft()
+                await self._write_one(message)
+                if written is not None and not written.done():  # done: its caller was cancelled
+                    written.set_result(None)
+                written = None
+        except asyncio.CancelledError:  # `fail` (or `close`) stopped the write in flight
+            if written is not None and not written.done():
+                written.set_exception(copy_error(self.broken or unavailable("the connection broke")))
+            raise
+        except aio.AioRpcError as error:
+            if written is not None and not written.done():
+                written.set_exception(copy_error(error))
 
-    def _spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
-        task = asyncio.get_running_loop().create_task(work)
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
-        return task
+    async def _write_one(self, message: Any) -> None:
+        """Writes `message`; on failure fails the call and raises its error."""
+        try:
+            await self.call.write(message)
+        except aio.AioRpcError as error:
+            # Request errors travel in-band, so a write that fails with INTERNAL is grpc
+            # core's "Internal error from Core": the connection broke (peer killed or
+            # restarting) and the caller should retry: UNAVAILABLE.
+            mapped = error if error.code() is not grpc.StatusCode.INTERNAL else \
+                unavailable("the connection broke")
+            self.fail(mapped)
+            raise copy_error(mapped) from None
+        except asyncio.InvalidStateError:  # the peer ended the call (OK) under the write
+            self.fail(unavailable("the stream ended early"))
+            raise copy_error(self.broken or unavailable("")) from None
+
+    def _enqueue(self, message: Any, written: asyncio.Future[None] | None) -> None:
+        self._outgoing.append((message, written))
+        idle = self._writer_idle
+        if idle is not None and not idle.done():
+            idle.set_result(None)
 
     async def write(self, message: Any) -> None:
         """Writes `message`; cancelling the caller does not cancel the write (nor the call).
         Raises AioRpcError when the call is broken."""
-        task = self._spawn(self._locked_write(message))
-        await asyncio.wait({task})  # unlike awaiting the task, leaves it running if we are cancelled
-        if task.cancelled():  # `fail` stopped it, or grpc reports the cancelled call so
-            raise copy_error(self.broken or unavailable("the connection broke"))
-        task.result()
+        if self.broken is not None:
+            raise copy_error(self.broken)
+        written: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._enqueue(message, written)
+        await written  # cancelling this cancels only the future: the message is still written
 
     async def start(self, request_id: str, message: Any, sink: Sink[EntryT]) -> None:
         """Routes `request_id`'s entries to `sink`, then writes the message that starts it.
@@ -298,8 +329,8 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
 
     def write_nowait(self, message: Any) -> None:
         """Fire and forget: a failed write means the call broke, which `fail` handled."""
-        task = self._spawn(self._locked_write(message))
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # retrieve, no log
+        if self.broken is None:
+            self._enqueue(message, None)
 
     def cancel(self, request_id: str, message: Any) -> bool:
         """Stops routing `request_id` and, when it was still open, writes `message` (its
@@ -313,7 +344,7 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
     async def close(self, error: aio.AioRpcError | None = None) -> None:
         self.fail(error or aio.AioRpcError(grpc.StatusCode.CANCELLED, aio.Metadata(),
                                            aio.Metadata(), "the stream was closed"))
-        tasks = [self._reader, *self._background]
+        tasks = [self._reader, self._writer]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)

@@ -78,16 +78,17 @@ class EngineStream:
         fault as trailing metadata, DEADLINE_EXCEEDED after `timeout_s`, the stream's failure).
         Cancelling the caller or the deadline cancels the call on the engine."""
         reply = _Reply()
-        await self._current().start(request_id, message, reply)
+        call = self._current()
         try:
+            await call.start(request_id, message, reply)
             async with asyncio.timeout(timeout_s):
                 output = await reply.future
         except TimeoutError:
-            self.cancel(request_id)
+            self._cancel_call(call, request_id)
             raise grpc.aio.AioRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(),
                                        grpc.aio.Metadata(), "Deadline Exceeded") from None
         except asyncio.CancelledError:
-            self.cancel(request_id)
+            self._cancel_call(call, request_id)
             raise
         if output.HasField("error"):
             error = output.error
@@ -96,6 +97,15 @@ class EngineStream:
             raise grpc.aio.AioRpcError(status_code(error.code), grpc.aio.Metadata(), trailing,
                                        error.message)
         return output
+
+    def _cancel_call(self, call: GenerateCall, request_id: str) -> None:
+        """A call given up before its answer: `cancel` goes after its message (which is
+        written even when its caller was cancelled while it queued), and the engine undoes the
+        call or, if it ended, aborts the request. No answer is routed."""
+        call.routes.pop(request_id, None)
+        if call.is_usable():
+            cancel = engine_pb2.GenerateCancel(request_id=request_id)
+            call.write_nowait(engine_pb2.EngineGenerateRequest(cancel=cancel))
 
     def cancel(self, request_id: str) -> None:
         """Abort a request that has not ended (no-op otherwise); its output is dropped."""

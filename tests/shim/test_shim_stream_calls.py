@@ -3,7 +3,8 @@ PD flow over the two engines' streams gives exactly the unary flow's tokens; a b
 alone with the unary call's status code; a RemoteSend whose receiver is gone says the
 receiver is at fault, as the unary call's trailing metadata does; a call cancelled on the
 stream leaves no KV behind and the stream keeps serving; the multiplexer cancels a call the
-caller cancels and answers the others at once, whatever its stream interval."""
+caller cancels, then aborts its request on the engine (also when the call had ended), and
+answers the others at once, whatever its stream interval."""
 
 from __future__ import annotations
 
@@ -224,6 +225,7 @@ class _HeldCalls:
         self.started: dict[str, asyncio.Event] = {}
         self.release = asyncio.Event()
         self.cancelled: list[str] = []
+        self.aborted: list[str] = []
 
     async def _held(self, request_id: str) -> None:
         self.started.setdefault(request_id, asyncio.Event()).set()
@@ -240,6 +242,12 @@ class _HeldCalls:
     async def remote_send(self, request: engine_pb2.RemoteSendRequest, traceparent: str) -> engine_pb2.RemoteSendResponse:
         await self._held(request.request_id)
         return engine_pb2.RemoteSendResponse(num_tokens_sent=3)
+
+    async def abort(self, request_id: str) -> bool:
+        assert request_id not in self.started or request_id in self.cancelled or self.release.is_set(), \
+            "aborted while its call still ran"
+        self.aborted.append(request_id)
+        return True
 
 
 async def test_the_multiplexer_cancels_a_held_call_and_answers_the_others_at_once() -> None:
@@ -274,6 +282,15 @@ async def test_the_multiplexer_cancels_a_held_call_and_answers_the_others_at_onc
     assert output.request_id == "kept" and output.prep_recv.end == 7
     assert output.prep_recv.kv_addr_info == traceparent.encode()  # the message's trace context
     assert calls.cancelled == ["dropped"]
+    # What the cancelled call may have done on the engine is undone: its request is aborted
+    # once its task has ended. A cancel that comes after a call ended (its answer crossed
+    # the cancel) aborts the request too; the answered call is not aborted otherwise.
+    while "dropped" not in calls.aborted:
+        await asyncio.sleep(0.01)
+    await incoming.put(_cancel("kept"))
+    while "kept" not in calls.aborted:
+        await asyncio.sleep(0.01)
+    assert calls.aborted == ["dropped", "kept"]
     # Once the caller half-closes, the stream ends: nothing more came for the cancelled call.
     await incoming.put(None)
     with pytest.raises(StopAsyncIteration):
