@@ -116,9 +116,11 @@ class EngineServicer:
         An engine whose status has `serves_stream_calls` also takes `prep_recv` and
         `remote_send` on the stream: exactly PrepRecv's and RemoteSend's input and checks, tagged
         by request_id; their one output carries the call's result (`prep_recv`, `remote_send`) or
-        its `error` (with `fault` where RemoteSend would have set the trailing metadata), and
-        `cancel` cancels the call as cancelling the unary call would. A request id names one
-        thing at a time on a stream: a call or a generation.
+        its `error` (with `fault` where RemoteSend would have set the trailing metadata).
+        `cancel` of a call cancels it and then aborts its request on the engine, as Abort would,
+        also when the call had ended (the caller's Abort, a call of its own, could overtake the
+        call's message). A request id names one thing at a time on a stream: a call or a
+        generation.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

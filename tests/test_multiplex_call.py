@@ -1,0 +1,118 @@
+"""microserving.multiplex.MultiplexedCall, the client end every multiplexed stream shares,
+over a real gRPC call to an in-process server: writes from many callers go out in the
+order they were queued, one at a time, each caller waiting for its own; a caller cancelled
+while its message queued does not take the message (nor the call) with it; when the call
+breaks, every write queued or in flight and every later one raises the call's error, and
+every open request hears of it."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from grpc import aio
+
+from microserving.multiplex import MultiplexedCall
+from microserving.v1 import router_pb2, router_pb2_grpc
+
+pytestmark = pytest.mark.unit
+
+
+class _Recording(router_pb2_grpc.RouterServicer):
+    """Records each request id it reads; ends the call with UNAVAILABLE on an id "break"."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+        self.arrived = asyncio.Condition()
+
+    async def GenerateBatched(self, requests, context) -> AsyncIterator[router_pb2.GenerateBatchedResponse]:  # type: ignore[no-untyped-def]  # noqa: N802
+        async for message in requests:
+            request_id = message.generate.request_id
+            if request_id == "break":
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "broken on purpose")
+            async with self.arrived:
+                self.seen.append(request_id)
+                self.arrived.notify_all()
+        if False:  # pragma: no cover - an async generator that answers nothing
+            yield router_pb2.GenerateBatchedResponse()
+
+
+class _Sink:
+    def __init__(self) -> None:
+        self.failed: list[grpc.StatusCode] = []
+
+    def deliver(self, entry: router_pb2.GenerateResponse) -> bool:
+        return True
+
+    def fail(self, error: aio.AioRpcError) -> None:
+        self.failed.append(error.code())
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[_Recording, router_pb2_grpc.RouterStub]]:
+    servicer = _Recording()
+    server = aio.server()
+    router_pb2_grpc.add_RouterServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = aio.insecure_channel(f"127.0.0.1:{port}")
+    yield servicer, router_pb2_grpc.RouterStub(channel)
+    await channel.close()
+    await server.stop(None)
+
+
+def _start(request_id: str) -> router_pb2.GenerateBatchedRequest:
+    return router_pb2.GenerateBatchedRequest(generate=router_pb2.NewRequest(request_id=request_id))
+
+
+def _call(stub: router_pb2_grpc.RouterStub) -> MultiplexedCall[router_pb2.GenerateBatchedResponse, router_pb2.GenerateResponse]:
+    return MultiplexedCall(stub.GenerateBatched(), lambda batch: batch.responses, lambda entry: entry.request_id)
+
+
+async def _until_seen(servicer: _Recording, count: int) -> None:
+    async with servicer.arrived:
+        await asyncio.wait_for(servicer.arrived.wait_for(lambda: len(servicer.seen) >= count), 60)
+
+
+async def test_writes_go_out_in_queue_order_and_a_cancelled_caller_keeps_its_message(served) -> None:
+    servicer, stub = served
+    call = _call(stub)
+    ids = [f"r{i}" for i in range(50)]
+    writers = [asyncio.ensure_future(call.write(_start(request_id))) for request_id in ids]
+    await asyncio.sleep(0)  # every caller has queued its message and waits for its write
+    writers[7].cancel()  # its caller goes away while the message waits its turn
+    writers[30].cancel()
+    results = await asyncio.gather(*writers, return_exceptions=True)
+    assert [type(r) for i, r in enumerate(results) if i in (7, 30)] == [asyncio.CancelledError] * 2
+    assert all(r is None for i, r in enumerate(results) if i not in (7, 30))
+    await _until_seen(servicer, len(ids))
+    assert servicer.seen == ids
+    # The call carries on after the cancelled callers.
+    await call.write(_start("after"))
+    await _until_seen(servicer, len(ids) + 1)
+    assert call.is_usable()
+    await call.close()
+
+
+async def test_a_broken_call_fails_queued_and_later_writes_and_its_open_requests(served) -> None:
+    servicer, stub = served
+    call = _call(stub)
+    sink = _Sink()
+    await call.start("open", _start("open"), sink)
+    await _until_seen(servicer, 1)
+    writes = [asyncio.ensure_future(call.write(_start(request_id))) for request_id in ("break", "q1", "q2")]
+    results = await asyncio.gather(*writes, return_exceptions=True)
+    # "break" may be written before the server ends the call, or fail with it; what queued
+    # behind it fails with the call's error once the call breaks, never hangs.
+    errors = [r for r in results if isinstance(r, aio.AioRpcError)]
+    assert errors and all(e.code() is grpc.StatusCode.UNAVAILABLE for e in errors)
+    while call.broken is None:  # the reader hears the end even when every write got through
+        await asyncio.sleep(0.01)
+    assert sink.failed == [grpc.StatusCode.UNAVAILABLE]
+    with pytest.raises(aio.AioRpcError) as later:
+        await call.write(_start("later"))
+    assert later.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert "later" not in servicer.seen
+    await call.close()
