@@ -41,8 +41,13 @@ def _first_invalid_string(value: Any) -> str | None:
             pending.extend(item.keys())
             pending.extend(item.values())
         elif isinstance(item, list):
+            if set(map(type, item)) <= _SCALARS:  # e.g. a prompt of token ids: nothing to walk
+                continue
             pending.extend(item)
     return None
+
+
+_SCALARS = {int, float}
 
 
 class OpenAIBaseModel(LenientModel):

@@ -33,7 +33,8 @@ class CompletionRequest(SamplingFields):
     def _prompt_not_empty(cls, prompt: PromptInput) -> PromptInput:
         if isinstance(prompt, list) and not prompt:
             raise ValueError("prompt must not be an empty list")
-        if isinstance(prompt, list) and any(isinstance(p, list) and not p for p in prompt):
+        # The union's members are homogeneous lists: only a list of lists has lists in it.
+        if isinstance(prompt, list) and isinstance(prompt[0], list) and not all(prompt):
             raise ValueError("prompt must not contain an empty token list")
         return prompt
 
@@ -49,8 +50,8 @@ class CompletionRequest(SamplingFields):
         prompt = self.prompt
         if isinstance(prompt, str):
             return [prompt]
-        if all(isinstance(p, int) for p in prompt):
-            return [[int(p) for p in prompt]]  # type: ignore[arg-type]
+        if isinstance(prompt[0], int):  # a homogeneous list (the union's members): token ids
+            return [list(prompt)]  # type: ignore[list-item]
         return list(prompt)  # type: ignore[arg-type]
 
 
