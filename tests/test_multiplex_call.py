@@ -21,20 +21,23 @@ pytestmark = pytest.mark.unit
 
 
 class _Recording(router_pb2_grpc.RouterServicer):
-    """Records each request id it reads; ends the call with UNAVAILABLE on an id "break"."""
+    """Records each request id it reads. On the id "stall" it stops reading until `release` is
+    set, then ends the call with UNAVAILABLE (a peer that stopped reading and then died)."""
 
     def __init__(self) -> None:
         self.seen: list[str] = []
         self.arrived = asyncio.Condition()
+        self.release = asyncio.Event()
 
     async def GenerateBatched(self, requests, context) -> AsyncIterator[router_pb2.GenerateBatchedResponse]:  # type: ignore[no-untyped-def]  # noqa: N802
         async for message in requests:
             request_id = message.generate.request_id
-            if request_id == "break":
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "broken on purpose")
             async with self.arrived:
                 self.seen.append(request_id)
                 self.arrived.notify_all()
+            if request_id == "stall":
+                await self.release.wait()
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "broken on purpose")
         if False:  # pragma: no cover - an async generator that answers nothing
             yield router_pb2.GenerateBatchedResponse()
 
@@ -101,15 +104,22 @@ async def test_a_broken_call_fails_queued_and_later_writes_and_its_open_requests
     call = _call(stub)
     sink = _Sink()
     await call.start("open", _start("open"), sink)
-    await _until_seen(servicer, 1)
-    writes = [asyncio.ensure_future(call.write(_start(request_id))) for request_id in ("break", "q1", "q2")]
-    results = await asyncio.gather(*writes, return_exceptions=True)
-    # "break" may be written before the server ends the call, or fail with it; what queued
-    # behind it fails with the call's error once the call breaks, never hangs.
-    errors = [r for r in results if isinstance(r, aio.AioRpcError)]
-    assert errors and all(e.code() is grpc.StatusCode.UNAVAILABLE for e in errors)
-    while call.broken is None:  # the reader hears the end even when every write got through
-        await asyncio.sleep(0.01)
+    await call.write(_start("stall"))
+    await _until_seen(servicer, 2)
+    # Big messages the stalled peer does not read: the first ones fill the connection's
+    # windows, so one write stays in flight and the rest queue behind it.
+    big = [_start(f"big{i}") for i in range(24)]
+    for message in big:
+        message.generate.token_ids.ids.extend(range(500_000))  # ~2.4 MB each
+    writes = [asyncio.ensure_future(call.write(message)) for message in big]
+    done, _ = await asyncio.wait(writes, timeout=0.5)
+    assert len(done) < len(writes)  # some are stuck: the peer reads nothing
+    servicer.release.set()  # the peer ends the call
+    results = await asyncio.wait_for(asyncio.gather(*writes, return_exceptions=True), 60)
+    failed = [r for r in results if r is not None]
+    assert failed and all(isinstance(r, aio.AioRpcError) and r.code() is grpc.StatusCode.UNAVAILABLE
+                          for r in failed), results
+    assert call.broken is not None
     assert sink.failed == [grpc.StatusCode.UNAVAILABLE]
     with pytest.raises(aio.AioRpcError) as later:
         await call.write(_start("later"))
