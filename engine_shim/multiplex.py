@@ -11,7 +11,9 @@ breaking cancel the per-request tasks, which aborts those requests on the engine
 
 The stream also carries PrepRecv and RemoteSend (`StreamCalls`, the servicer's own): each runs
 as a task of its own under its request id and ends with one output holding its result or its
-error, written at once; `cancel` cancels it as cancelling the unary call would. A call costs
+error, written at once; `cancel` cancels it and then aborts its request on the engine (also
+when it had ended: the caller's Abort travels on a call of its own and could overtake the
+call's message), and a stream that breaks aborts the calls it cut off. A call costs
 the caller a message each way on a stream it already has, not a call (HTTP/2 stream, task,
 metadata) each.
 """
@@ -99,7 +101,7 @@ class GenerateMultiplexer:
             tasks = list(self._tasks.values())
             for task in tasks:
                 task.cancel()
-            for request_id in self._call_ids:  # calls cut off: what they did is undone
+            for request_id in list(self._call_ids):  # calls cut off: what they did is undone
                 self._abort_after(request_id, self._tasks.get(request_id))
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 

@@ -80,8 +80,8 @@ class EngineStream:
         reply = _Reply()
         call = self._current()
         try:
-            await call.start(request_id, message, reply)
             async with asyncio.timeout(timeout_s):
+                await call.start(request_id, message, reply)
                 output = await reply.future
         except TimeoutError:
             self._cancel_call(call, request_id)

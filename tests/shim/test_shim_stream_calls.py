@@ -4,7 +4,9 @@ alone with the unary call's status code; a RemoteSend whose receiver is gone say
 receiver is at fault, as the unary call's trailing metadata does; a call cancelled on the
 stream leaves no KV behind and the stream keeps serving; the multiplexer cancels a call the
 caller cancels, then aborts its request on the engine (also when the call had ended), and
-answers the others at once, whatever its stream interval."""
+answers the others at once, whatever its stream interval; the router's end of such a call
+times out with DEADLINE_EXCEEDED (the engine's call cancelled and its request aborted) and
+raises the unary call's error, the receiver's fault included."""
 
 from __future__ import annotations
 
@@ -25,9 +27,17 @@ from shim_helpers import (
 )
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
+from engine_shim.backends.embedded.kv_plane.sender import ReceiverUnavailableError
 from engine_shim.multiplex import GenerateMultiplexer
-from microserving.transport import FAULT_METADATA_KEY, FAULT_RECEIVER, status_code
-from microserving.v1 import engine_pb2
+from microserving.transport import (
+    FAULT_METADATA_KEY,
+    FAULT_RECEIVER,
+    TransportSettings,
+    status_code,
+)
+from microserving.v1 import engine_pb2, engine_pb2_grpc
+from router.endpoint import Endpoint
+from router.engines import EngineStream
 
 pytestmark = pytest.mark.e2e
 
@@ -299,3 +309,55 @@ async def test_the_multiplexer_cancels_a_held_call_and_answers_the_others_at_onc
     await incoming.put(None)
     with pytest.raises(StopAsyncIteration):
         await asyncio.wait_for(anext(messages), 60)
+
+
+class _HeldEngine(engine_pb2_grpc.EngineServicer):
+    """Engine.Generate served by the shim's own multiplexer over held calls (no engine: the
+    two ends of the stream are under test)."""
+
+    def __init__(self, calls: _HeldCalls) -> None:
+        self.calls = calls
+
+    async def Generate(self, requests, context):  # type: ignore[no-untyped-def]  # noqa: N802
+        async def never_generates(start, emit) -> None:  # type: ignore[no-untyped-def]
+            raise AssertionError("no generation in this test")
+
+        async for batch in GenerateMultiplexer(never_generates, calls=self.calls).serve(requests):
+            yield batch
+
+
+class _FailingCalls(_HeldCalls):
+    async def remote_send(self, request: engine_pb2.RemoteSendRequest, traceparent: str) -> engine_pb2.RemoteSendResponse:
+        raise ReceiverUnavailableError("KV push to the receiver failed: gone")
+
+
+async def test_the_routers_end_times_out_cancels_and_maps_errors_as_the_unary_call() -> None:
+    calls = _FailingCalls()
+    server = grpc.aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(_HeldEngine(calls), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    endpoint = Endpoint(address=f"127.0.0.1:{port}", configured_roles=None)
+    endpoint.connect(TransportSettings())
+    endpoint.status = engine_pb2.GetStatusResponse(serves_stream_calls=True)
+    stream = EngineStream(endpoint)
+    try:
+        assert stream.takes_calls("slow")
+        with pytest.raises(grpc.aio.AioRpcError) as timed_out:
+            await stream.call("slow", _prep_recv("slow", [1, 2, 3]), timeout_s=0.2)
+        assert timed_out.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        # The engine's call was cancelled and its request aborted, as after a unary deadline.
+        while "slow" not in calls.aborted:
+            await asyncio.sleep(0.01)
+        assert calls.cancelled == ["slow"]
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await stream.call("send", _remote_send("send", [1, 2, 3], engine_pb2.PrepRecvResponse(end=2)), None)
+        assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
+        assert dict(failed.value.trailing_metadata()) == {FAULT_METADATA_KEY: FAULT_RECEIVER}
+        calls.release.set()
+        output = await stream.call("fine", _prep_recv("fine", [1, 2, 3]), timeout_s=60)
+        assert output.prep_recv.end == 7
+    finally:
+        await stream.close()
+        await endpoint.channel.close()  # type: ignore[union-attr]
+        await server.stop(None)
