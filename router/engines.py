@@ -104,18 +104,20 @@ class EngineStream:
         call or, if it ended, aborts the request. No answer is routed."""
         call.routes.pop(request_id, None)
         if call.is_usable():
-            cancel = engine_pb2.GenerateCancel(request_id=request_id)
-            call.write_nowait(engine_pb2.EngineGenerateRequest(cancel=cancel))
+            call.write_nowait(_cancel_message(request_id))
 
     def cancel(self, request_id: str) -> None:
         """Abort a request that has not ended (no-op otherwise); its output is dropped."""
         if self._call is not None:
-            cancel = engine_pb2.GenerateCancel(request_id=request_id)
-            self._call.cancel(request_id, engine_pb2.EngineGenerateRequest(cancel=cancel))
+            self._call.cancel(request_id, _cancel_message(request_id))
 
     async def close(self) -> None:
         if self._call is not None:
             await self._call.close()
+
+
+def _cancel_message(request_id: str) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(cancel=engine_pb2.GenerateCancel(request_id=request_id))
 
 
 class _Reply:

@@ -26,6 +26,9 @@ def _as_float32(value: float) -> float:
     return float(struct.unpack("f", struct.pack("f", value))[0])
 
 
+_SCALARS = {int, float}  # JSON numbers: no string inside
+
+
 def _first_invalid_string(value: Any) -> str | None:
     """A string (or key) in a parsed JSON value that is not valid Unicode (a lone surrogate
     escape such as "\\ud800"), else None. Iterative: JSON may nest deeply."""
@@ -45,9 +48,6 @@ def _first_invalid_string(value: Any) -> str | None:
                 continue
             pending.extend(item)
     return None
-
-
-_SCALARS = {int, float}
 
 
 class OpenAIBaseModel(LenientModel):

@@ -10,7 +10,7 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,6 +58,13 @@ class ShimProcess(ServiceProcess):
 
     def log_text(self) -> str:
         return self.output()
+
+
+async def until_none(queue: asyncio.Queue[engine_pb2.EngineGenerateRequest | None]
+                     ) -> AsyncIterator[engine_pb2.EngineGenerateRequest]:
+    """A caller's Engine.Generate messages as a test puts them in `queue`; None half-closes."""
+    while (message := await queue.get()) is not None:
+        yield message
 
 
 def start_shim(tmp_dir: Path, name: str, *extra: str) -> ShimProcess:

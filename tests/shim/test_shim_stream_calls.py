@@ -23,6 +23,7 @@ from shim_helpers import (
     generate_alone,
     greedy,
     introduce,
+    until_none,
     wait_for_free_pages,
 )
 
@@ -231,6 +232,10 @@ async def test_a_call_cancelled_on_the_stream_leaves_no_kv_and_the_stream_serves
         p_call.cancel()
 
 
+async def _never_generates(start, emit) -> None:  # type: ignore[no-untyped-def]
+    raise AssertionError("no generation in these tests: the calls' path is under test")
+
+
 class _HeldCalls:
     """The servicer's part of a call, held until the test lets it go (the multiplexer alone
     is under test here: whether it cancels, answers and times calls as the protocol says)."""
@@ -266,19 +271,10 @@ class _HeldCalls:
 
 async def test_the_multiplexer_cancels_a_held_call_and_answers_the_others_at_once() -> None:
     calls = _HeldCalls()
-
-    async def never_generates(start, emit) -> None:  # type: ignore[no-untyped-def]
-        raise AssertionError("no generation in this test")
-
     # An interval of an hour: a call's answer that waited for it would never come.
-    multiplexer = GenerateMultiplexer(never_generates, stream_interval_s=3600.0, calls=calls)
+    multiplexer = GenerateMultiplexer(_never_generates, stream_interval_s=3600.0, calls=calls)
     incoming: asyncio.Queue[engine_pb2.EngineGenerateRequest | None] = asyncio.Queue()
-
-    async def requests():  # type: ignore[no-untyped-def]
-        while (message := await incoming.get()) is not None:
-            yield message
-
-    messages = multiplexer.serve(requests())
+    messages = multiplexer.serve(until_none(incoming))
     first = asyncio.ensure_future(anext(messages))
     traceparent = "00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
     prep = _prep_recv("kept", [1, 2, 3]).prep_recv
@@ -319,10 +315,7 @@ class _HeldEngine(engine_pb2_grpc.EngineServicer):
         self.calls = calls
 
     async def Generate(self, requests, context):  # type: ignore[no-untyped-def]  # noqa: N802
-        async def never_generates(start, emit) -> None:  # type: ignore[no-untyped-def]
-            raise AssertionError("no generation in this test")
-
-        async for batch in GenerateMultiplexer(never_generates, calls=self.calls).serve(requests):
+        async for batch in GenerateMultiplexer(_never_generates, calls=self.calls).serve(requests):
             yield batch
 
 

@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Callable, Iterator
 
 import pytest
-from shim_helpers import PROMPT, ShimProcess, engine_stub, generate, greedy, start_shim
+from shim_helpers import PROMPT, ShimProcess, engine_stub, generate, greedy, start_shim, until_none
 
 from engine_shim.engine.api import Delta, FinishReason, GenerateOutput, Usage
 from engine_shim.multiplex import GenerateMultiplexer
@@ -39,11 +39,7 @@ async def test_outputs_after_the_first_share_messages_and_keep_every_token(inter
         requests: asyncio.Queue[engine_pb2.EngineGenerateRequest | None] = asyncio.Queue()
         await requests.put(engine_pb2.EngineGenerateRequest(start=start))
 
-        async def outgoing():  # type: ignore[no-untyped-def]
-            while (message := await requests.get()) is not None:
-                yield message
-
-        call = stub.Generate(outgoing())
+        call = stub.Generate(until_none(requests))
         tokens: list[int] = []
         steps_per_message: list[int] = []
         async for message in call:
@@ -74,12 +70,7 @@ async def test_a_request_s_last_output_is_not_held_by_the_interval() -> None:
 
     multiplexer = GenerateMultiplexer(run, stream_interval_s=3600.0)
     incoming: asyncio.Queue[engine_pb2.EngineGenerateRequest | None] = asyncio.Queue()
-
-    async def requests():  # type: ignore[no-untyped-def]
-        while (message := await incoming.get()) is not None:
-            yield message
-
-    messages = multiplexer.serve(requests())
+    messages = multiplexer.serve(until_none(incoming))
     first = asyncio.ensure_future(anext(messages))
     await incoming.put(engine_pb2.EngineGenerateRequest(
         start=engine_pb2.StartGenerateRequest(request_id="r", token_ids=PROMPT)))
