@@ -121,9 +121,11 @@ class GenerateStream:
 
     async def batches(self) -> AsyncIterator[list[router_pb2.GenerateResponse]]:
         """Every event that arrived since the last batch (waiting for one), until each
-        started request has sent `done` or `error`."""
+        started request has sent `done` or `error`, or the stream is closed."""
         while self._pending:
             while not self._inbox:
+                if self._closed:
+                    return
                 self._waiter = asyncio.get_running_loop().create_future()
                 try:
                     await self._waiter
@@ -139,6 +141,12 @@ class GenerateStream:
                     self._pending.discard(item.request_id)
                 batch.append(item)
             yield batch
+
+    @property
+    def is_finished(self) -> bool:
+        """Every started request has sent `done` or `error` (or the stream was closed): what
+        its reader still yields comes without waiting."""
+        return self._call is not None and not self._pending
 
     async def events(self) -> AsyncIterator[router_pb2.GenerateResponse]:
         """`batches`, one event at a time."""
@@ -160,6 +168,7 @@ class GenerateStream:
                     call.cancel(request_id, router_pb2.GenerateBatchedRequest(cancel=cancel))
         self._pending.clear()
         self._inbox = []  # drop whatever was delivered and not read
+        self._wake()  # a reader waiting for events ends
 
     async def __aenter__(self) -> GenerateStream:
         return self

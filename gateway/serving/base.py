@@ -20,8 +20,13 @@ from gateway.admission import AdmissionLimit
 from gateway.errors import GatewayError, from_rpc_error
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.base import SamplingFields, Usage, dump
-from gateway.router_client import RouterClient
-from gateway.serving.disconnect import ClientDisconnected, RelayResponse, run_until_disconnect
+from gateway.router_client import GenerateStream, RouterClient
+from gateway.serving.disconnect import (
+    ClientDisconnected,
+    FinalChunk,
+    RelayResponse,
+    run_until_disconnect,
+)
 from gateway.serving.events import Event, UsageTotals, relay
 from gateway.sse import DONE_EVENT, encode_event
 from gateway.tenancy import bearer_key, cache_salt
@@ -123,7 +128,7 @@ class GenerationServing(ABC, Generic[RequestT]):
         try:
             if request.stream:
                 return await self._start_stream(request, response_id, events, cleanup,
-                                                http_request)
+                                                http_request, stream)
             work = self.complete(request, response_id, events)
             result = await run_until_disconnect(http_request, work)
             return JSONResponse(dump(result))
@@ -153,7 +158,8 @@ class GenerationServing(ABC, Generic[RequestT]):
         return span
 
     async def _start_stream(self, request: RequestT, response_id: str, events: RouterEvents,
-                            cleanup: Once, http_request: Request) -> Response:
+                            cleanup: Once, http_request: Request,
+                            stream: GenerateStream) -> Response:
         """Waits for the first router event so that early errors keep their HTTP status."""
         try:
             first = await run_until_disconnect(http_request, anext(events))
@@ -161,17 +167,25 @@ class GenerationServing(ABC, Generic[RequestT]):
             cleanup()
             raise
         chunks = self.stream(request, response_id, _prepend(first, events))
-        return RelayResponse(self._sse(chunks), on_close=cleanup, media_type="text/event-stream")
+        return RelayResponse(self._sse(chunks, stream), on_close=cleanup,
+                             media_type="text/event-stream")
 
-    async def _sse(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _sse(self, chunks: AsyncIterator[bytes], stream: GenerateStream) -> AsyncIterator[bytes]:
+        """Each chunk as it is made, until the router stream has finished: what is left then
+        (the last events, the usage chunk, an error) comes without waiting and goes out with
+        `[DONE]` and the body's end, in one write."""
+        tail = b""
         try:
             async for chunk in chunks:
-                yield chunk
+                if stream.is_finished:
+                    tail += chunk
+                else:
+                    yield chunk
         except GatewayError as error:
             self.context.on_error(error)
-            yield encode_event(error.body())
+            tail += encode_event(error.body())
         except aio.AioRpcError as rpc_error:
             mapped = from_rpc_error(rpc_error)
             self.context.on_error(mapped)
-            yield encode_event(mapped.body())
-        yield DONE_EVENT
+            tail += encode_event(mapped.body())
+        yield FinalChunk(tail + DONE_EVENT)

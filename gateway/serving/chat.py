@@ -93,15 +93,20 @@ class ChatServing(GenerationServing[ChatCompletionRequest]):
                 index=event.index, delta=ChatDelta(content=event.text), logprobs=logprobs,
                 finish_reason=event.finish_reason)]))  # type: ignore[arg-type]
 
-        yield b"".join(
+        # The role chunks go out with the first events (the response starts once they came).
+        head = b"".join(
             encode_event(chunk([ChatChunkChoice(index=index, delta=ChatDelta(role="assistant", content=""))]))
             for index in range(request.n))
         async for batch in events:
             if not isinstance(batch, UsageTotals):
-                data = b"".join(encode(event) for event in batch if isinstance(event, DeltaEvent))
+                data = head + b"".join(encode(e) for e in batch if isinstance(e, DeltaEvent))
+                head = b""
                 if data:
                     yield data
-            elif request.include_usage_in_stream:
-                usage_chunk = chunk([])
-                usage_chunk.usage = usage_model(batch)
-                yield encode_event(usage_chunk)
+            else:
+                if request.include_usage_in_stream:
+                    usage_chunk = chunk([])
+                    usage_chunk.usage = usage_model(batch)
+                    head += encode_event(usage_chunk)
+                if head:
+                    yield head

