@@ -8,14 +8,13 @@ import asyncio
 import logging
 import signal
 import sys
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 from pydantic import ValidationError
 
 from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
 from microserving import tracing
+from microserving.event_loop import loop_runner
 from microserving.tokenizer import MODEL_HELP
 from microserving.tracing import configure_logging
 
@@ -69,6 +68,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--stream-updates-per-s", float, "Engine.Generate: most request updates a second on "
      "one stream (messages N running / this apart; default 8000; 0: unbounded)"),
     ("--max-message-bytes", int, "largest gRPC message in either direction"),
+    ("--event-loop", str, "auto | asyncio | uvloop (auto: uvloop when installed)"),
     (
         "--token",
         str,
@@ -141,19 +141,6 @@ def main(argv: list[str]) -> int:
     tracing.configure("shim")
     if settings.tune_malloc:
         tune_for_large_buffers()
-    return _loop_runner(settings.backend)(run(settings))
+    return loop_runner(settings.event_loop)(run(settings))
 
 
-def _loop_runner(backend: str) -> Callable[[Coroutine[Any, Any, int]], int]:
-    """The mlc backend's work is all sockets (an HTTP stream per running request), so its
-    event loop's per-read cost is most of what it spends: uvloop when installed (in
-    `bench mlc-relay` on 2 busy cores, shim CPU per 1,000 tokens at 128 streams went from
-    ~34 to ~31 ms, within the noise of that machine but never worse)."""
-    if backend == "mlc":
-        try:
-            import uvloop
-        except ImportError:
-            pass
-        else:
-            return uvloop.run
-    return asyncio.run

@@ -4,15 +4,14 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
-from collections.abc import Callable, Coroutine
 from typing import Any
 
 from pydantic import ValidationError
 
 from microserving import tracing
+from microserving.event_loop import loop_runner
 from microserving.pattern_names import PATTERN_NAMES
 from microserving.tokenizer import MODEL_HELP
 from microserving.tracing import configure_logging
@@ -66,19 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _loop_runner(event_loop: str) -> Callable[[Coroutine[Any, Any, None]], None]:
-    """asyncio.run, on uvloop when asked for (or, with 'auto', when it is installed)."""
-    if event_loop != "asyncio":
-        try:
-            import uvloop
-        except ImportError:
-            if event_loop == "uvloop":
-                raise
-        else:
-            return uvloop.run
-    return asyncio.run
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configure_logging(args.log_level)
@@ -99,5 +85,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"microserving router: {exc}", file=sys.stderr)
         return 2
     with contextlib.suppress(KeyboardInterrupt):
-        _loop_runner(settings.event_loop)(serve_forever(router, settings.host, settings.port))
+        loop_runner(settings.event_loop)(serve_forever(router, settings.host, settings.port))
     return 0

@@ -148,7 +148,7 @@ class GenerationServing(ABC, Generic[RequestT]):
         if not parent and not tracing.is_enabled():
             parent = tracing.new_traceparent()  # one trace id for every service's log lines
         client_id = getattr(http_request.state, "request_id", "")
-        span = tracing.Span(f"gateway {http_request.url.path}", parent, {
+        span = tracing.Span(f"gateway {http_request.scope['path']}", parent, {
             "microserving.request_id": client_id, "microserving.response_id": response_id}).start()
         for router_request in router_requests:
             router_request.traceparent = span.traceparent
