@@ -18,16 +18,43 @@ takes its input ids from an earlier replay's argmax on the device, gathered by r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from .attention import AttnContext, PagedDecode
 from .model import CausalLM
 
+T = TypeVar("T")
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+
+
+def capture_buckets(buckets: Sequence[int],
+                    forward: Callable[[int], T]) -> dict[int, tuple[torch.cuda.CUDAGraph, T]]:
+    """A CUDA graph of `forward(bucket)` for every bucket (ascending), with the outputs the
+    replays write: largest first, so the smaller graphs reuse its memory pool. One stream for
+    warm-up and capture, so the cuBLAS workspace a warm-up allocates is the one the capture
+    uses. Thread-local capture: the engine captures on its own thread while the server's
+    threads keep running (global mode would let any CUDA call elsewhere in the process
+    invalidate the capture)."""
+    captured: dict[int, tuple[torch.cuda.CUDAGraph, T]] = {}
+    pool: Any = None  # the first graph's memory pool handle, shared by the others
+    stream = torch.cuda.Stream()
+    for bucket in reversed(buckets):
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: autotuning, kernel compilation, lazy allocations
+                forward(bucket)
+        stream.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            out = forward(bucket)
+        pool = graph.pool()
+        captured[bucket] = (graph, out)
+    torch.cuda.synchronize()
+    return captured
 
 
 @dataclass
@@ -135,7 +162,6 @@ class DecodeGraphRunner:
         self._read_back_turn = 0
         self._graphs: dict[int, _Captured] = {}
         self.num_replays = 0
-        self._pool: Any = None  # the first graph's memory pool handle, shared by the others
 
     @property
     def max_batch(self) -> int:
@@ -154,28 +180,11 @@ class DecodeGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller graphs reuse its memory pool."""
+        """Capture every bucket (`capture_buckets`)."""
         self._fill_padding(0, self.max_batch)
         self._upload(self.max_batch)
-        # One stream for warm-up and capture, so the cuBLAS workspace a warm-up allocates is
-        # the one the capture uses. Thread-local capture: the engine captures on its own
-        # thread while the server's threads keep running (global mode would let any CUDA
-        # call elsewhere in the process invalidate the capture).
-        stream = torch.cuda.Stream()
-        for bucket in reversed(self.buckets):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: autotuning and lazy allocations happen here
-                    self._forward(bucket)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(
-                graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"
-            ):
-                logits, argmax = self._forward(bucket)
-            self._pool = graph.pool()
-            self._graphs[bucket] = _Captured(graph, logits, argmax)
-        torch.cuda.synchronize()
+        captured = capture_buckets(self.buckets, self._forward)
+        self._graphs = {bucket: _Captured(graph, *out) for bucket, (graph, out) in captured.items()}
 
     def _fill_padding(self, start: int, end: int) -> None:
         # Host rows [start, end) past the live batch: scratch slot, scratch page, one key.

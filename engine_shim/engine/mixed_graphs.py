@@ -31,12 +31,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from .attention import AttnContext, PagedDecode, StaticMixed
-from .cuda_graphs import TableRows
+from .cuda_graphs import TableRows, capture_buckets
 from .model import CausalLM
 from .triton_prefill import PagedPrefill, PrefillRows
 
@@ -129,7 +128,6 @@ class MixedGraphRunner:
         self._graphs: dict[int, _Captured] = {}
         self.num_replays = 0
         self.num_static_runs = 0  # eager runs of the static shapes (no graph captured)
-        self._pool: Any = None
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return next((b for b in self.buckets if b >= num_tokens), None)
@@ -161,23 +159,11 @@ class MixedGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every bucket, largest first so the smaller graphs reuse its memory pool
-        (thread-local capture on a stream of its own, as DecodeGraphRunner does)."""
+        """Capture every bucket (`cuda_graphs.capture_buckets`)."""
         self._fill(None, self._size)
         self._upload(self.max_decode_rows + self.max_prefills)
-        stream = torch.cuda.Stream()
-        for bucket in reversed(self.buckets):
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: kernel compilation, lazy allocations
-                    self._forward(bucket)
-            stream.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                hidden = self._forward(bucket)
-            self._pool = graph.pool()
-            self._graphs[bucket] = _Captured(graph, hidden)
-        torch.cuda.synchronize()
+        captured = capture_buckets(self.buckets, self._forward)
+        self._graphs = {bucket: _Captured(graph, hidden) for bucket, (graph, hidden) in captured.items()}
 
     def _fill(self, step: MixedLayout | None, bucket: int) -> int:
         """Write a step's metadata (None: padding only) into the host buffer; returns the
