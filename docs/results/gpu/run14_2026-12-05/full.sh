@@ -1,11 +1,14 @@
-# GPU call 1 (2026-12-05): `scripts/gpu_run.sh` step `capacity` in full on this tree (the engine
-# alone and the whole stack, round-robin and disagg 1P:1D, 1/32/64/128 streams, 2 rounds).
-# Usage on the device: bash full.sh "$OUT"
+# GPU call 1 (2026-12-05): the gpu-marked tests, then `scripts/gpu_run.sh` step `capacity` on
+# this tree, one round (the engine alone and the whole stack, round-robin and disagg 1P:1D,
+# 1/32/64/128 streams). Usage on the device: bash full.sh "$OUT"
 O=$1; R=/tmp/full; rm -rf $R; mkdir -p $R "$O"
 finish() { cd $R && find . -name "*.log" -path "*logs*" -size +2M -delete; tar czf $O/res.tgz . ; }
 trap finish EXIT
-echo "== start $(date +%T)"
-PYTHONPATH=$PWD:/tmp/site OUT=$R GPU_STEPS=capacity GPU_ROUNDS=2 GPU_REQUESTS_PER_STREAM=4 \
-  GPU_CAPACITY_TIMEOUT_S=${CAP_T:-555} bash scripts/gpu_run.sh > $R/run.log 2>&1
+echo "== tests $(date +%T)"
+PYTHONPATH=$PWD:/tmp/site timeout 200 python3 -m pytest -q tests/gpu -p no:cacheprovider > $R/gpu_tests.log 2>&1
+tail -3 $R/gpu_tests.log
+echo "== capacity $(date +%T)"
+PYTHONPATH=$PWD:/tmp/site OUT=$R GPU_STEPS=capacity GPU_ROUNDS=${CAP_ROUNDS:-1} GPU_REQUESTS_PER_STREAM=4 \
+  GPU_CAPACITY_TIMEOUT_S=${CAP_T:-380} bash scripts/gpu_run.sh > $R/run.log 2>&1
 grep -E "^\| (round|disagg)" $R/capacity.log; grep -c "errors" $R/capacity.log
 echo "== end $(date +%T)"
