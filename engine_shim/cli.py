@@ -142,5 +142,3 @@ def main(argv: list[str]) -> int:
     if settings.tune_malloc:
         tune_for_large_buffers()
     return loop_runner(settings.event_loop)(run(settings))
-
-
