@@ -128,3 +128,5 @@ def _counters(status: EngineStatus) -> Iterator[Metric]:
     yield step
     yield _counter("generated_tokens", "Tokens sampled (rate(): tokens per second).", counters.num_sampled_tokens)
     yield _counter("preemptions", "Sequences preempted for lack of KV pages.", counters.num_preemptions)
+    yield _counter("engine_idle_seconds", "Wall time the engine's loop waited with no work "
+                   "(rate(): the idle share of its time).", counters.idle_time_s)

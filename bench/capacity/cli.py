@@ -215,8 +215,9 @@ def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]
 def _steps_text(steps: dict[str, Any] | None) -> str:
     if not steps or not steps.get("steps"):
         return "no engine steps"
+    idle = f" ({steps['idle_ms_per_step']:.2f} idle)" if "idle_ms_per_step" in steps else ""
     return (f"{steps['tokens_per_step']:.1f} tokens a step, {steps['step_ms']:.2f} ms in a step, "
-            f"{steps['loop_ms_per_step']:.2f} ms a loop turn")
+            f"{steps['loop_ms_per_step']:.2f} ms a loop turn{idle}")
 
 
 def main(argv: list[str]) -> int:

@@ -205,14 +205,16 @@ class PrefixCacheStats:
 @dataclass(frozen=True)
 class EngineCounters:
     """Lifetime counters of an engine's work, for its metrics (kept per step, never per
-    token): steps run and their summed wall time, tokens sampled, preemptions, and the KV
-    pages PrepRecv reservations hold now."""
+    token): steps run and their summed wall time, tokens sampled, preemptions, the KV
+    pages PrepRecv reservations hold now, and the summed wall time the loop that drives the
+    engine waited for work with none to do."""
 
     num_steps: int
     step_time_s: float
     num_sampled_tokens: int
     num_preemptions: int
     num_reserved_pages: int
+    idle_time_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -237,7 +239,7 @@ class EngineStatus:
 # about 40 us a batch, in the process that sets the engine's pace); the constant rest
 # travels once, in the status of the core's start-up facts (status_from_fields).
 StatusFields = tuple[int, int, int, int, tuple[int, int, int, int, int],
-                     "tuple[int, float, int, int, int] | None"]
+                     "tuple[int, float, int, int, int, float] | None"]
 
 
 def constant_status(

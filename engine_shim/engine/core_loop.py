@@ -172,15 +172,19 @@ class CoreLoop:
         idle_ends = None if timeout is None else time.monotonic() + timeout
         if timeout is not None and self._side is not None and self._side.is_busy:
             timeout = min(timeout, _SIDE_POLL_S)  # wake to poll the side meanwhile
+        idle_since = time.perf_counter() if block else None  # no work until a call comes
         try:
             while True:
                 try:
                     item = self._inbox.get(timeout)
                 except queue.Empty:
+                    self._count_idle(idle_since)
                     if idle_ends is not None and time.monotonic() >= idle_ends - _EARLY_WAKE_S:
                         core.reap_expired_reservations()  # and fences past their end
                         self._out.append((EVENTS, []))  # what they freed shows in GetStatus
                     return True
+                self._count_idle(idle_since)
+                idle_since = None
                 if item == STOP:
                     return False
                 assert isinstance(item, Call)
@@ -188,6 +192,12 @@ class CoreLoop:
                 timeout = None  # after the first call, drain without waiting
         finally:
             self._flush()
+
+    def _count_idle(self, since: float | None) -> None:
+        """The wait since `since` (None: it was no idle wait) into the core's idle time, which
+        its counters report (engine_idle_seconds)."""
+        if since is not None:
+            self._core.idle_time_s += time.perf_counter() - since
 
     def _idle_timeout(self) -> float:
         deadline = self._core.next_deadline()
