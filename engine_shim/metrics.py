@@ -128,5 +128,6 @@ def _counters(status: EngineStatus) -> Iterator[Metric]:
     yield step
     yield _counter("generated_tokens", "Tokens sampled (rate(): tokens per second).", counters.num_sampled_tokens)
     yield _counter("preemptions", "Sequences preempted for lack of KV pages.", counters.num_preemptions)
-    yield _counter("engine_idle_seconds", "Wall time the engine's loop waited with no work "
-                   "(rate(): the idle share of its time).", counters.idle_time_s)
+    yield _counter("engine_busy_seconds", "Wall time the engine's loop worked: steps, calls, "
+                   "outputs; its waits with no work left out (rate(): the busy share).",
+                   counters.busy_time_s)

@@ -6,7 +6,7 @@ Tokens a step is the batch the engine sampled on average: behind the relay, requ
 are between their last token and their next request's arrival are not in it. Loop ms a step
 (the window over the steps) less step ms is the time the engine's loop spent outside its
 steps (calls coming in, outputs going out, waiting for work); idle ms a step is the part of
-it the loop waited with no work at all (`engine_idle_seconds`; shims only)."""
+it the loop waited with no work at all (the window less `engine_busy_seconds`; shims only)."""
 
 from __future__ import annotations
 
@@ -18,13 +18,13 @@ from bench.capacity.router_metrics import fetch
 
 _STEP = "microserving_shim_engine_step_seconds"
 _TOKENS = "microserving_shim_generated_tokens"
-_IDLE = "microserving_shim_engine_idle_seconds"
+_BUSY = "microserving_shim_engine_busy_seconds"
 
-Counters = tuple[float, float, float, float]  # steps, seconds in steps, sampled tokens, idle seconds
+Counters = tuple[float, float, float, float]  # steps, seconds in steps, sampled tokens, busy seconds
 
 
 def parse(text: str) -> Counters:
-    steps = step_s = tokens = idle_s = 0.0
+    steps = step_s = tokens = busy_s = 0.0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == _STEP + "_count":
@@ -33,9 +33,9 @@ def parse(text: str) -> Counters:
                 step_s += sample.value
             elif sample.name == _TOKENS + "_total":
                 tokens += sample.value
-            elif sample.name == _IDLE + "_total":
-                idle_s += sample.value
-    return steps, step_s, tokens, idle_s
+            elif sample.name == _BUSY + "_total":
+                busy_s += sample.value
+    return steps, step_s, tokens, busy_s
 
 
 def scrape(ports: dict[str, int]) -> dict[str, Counters]:
@@ -43,7 +43,7 @@ def scrape(ports: dict[str, int]) -> dict[str, Counters]:
 
 
 def figures(steps: float, step_s: float, tokens: float, window_s: float,
-            idle_s: float | None = None) -> dict[str, Any]:
+            busy_s: float | None = None) -> dict[str, Any]:
     if steps <= 0:
         return {"steps": 0}
     out = {
@@ -53,8 +53,8 @@ def figures(steps: float, step_s: float, tokens: float, window_s: float,
         "step_ms": step_s / steps * 1e3,
         "loop_ms_per_step": window_s / steps * 1e3,
     }
-    if idle_s is not None:
-        out["idle_ms_per_step"] = idle_s / steps * 1e3
+    if busy_s is not None:
+        out["idle_ms_per_step"] = max(0.0, window_s - busy_s) / steps * 1e3
     return out
 
 
@@ -63,6 +63,6 @@ def window(opened: dict[str, Counters], closed: dict[str, Counters], window_s: f
     out = {}
     for name, after in closed.items():
         before = opened.get(name, (0.0, 0.0, 0.0, 0.0))
-        steps, step_s, tokens, idle_s = (a - b for a, b in zip(after, before, strict=True))
-        out[name] = figures(steps, step_s, tokens, window_s, idle_s)
+        steps, step_s, tokens, busy_s = (a - b for a, b in zip(after, before, strict=True))
+        out[name] = figures(steps, step_s, tokens, window_s, busy_s)
     return out

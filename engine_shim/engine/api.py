@@ -207,14 +207,14 @@ class EngineCounters:
     """Lifetime counters of an engine's work, for its metrics (kept per step, never per
     token): steps run and their summed wall time, tokens sampled, preemptions, the KV
     pages PrepRecv reservations hold now, and the summed wall time the loop that drives the
-    engine waited for work with none to do."""
+    engine worked (steps, calls, outputs; its waits with no work left out)."""
 
     num_steps: int
     step_time_s: float
     num_sampled_tokens: int
     num_preemptions: int
     num_reserved_pages: int
-    idle_time_s: float = 0.0
+    busy_time_s: float = 0.0
 
 
 @dataclass(frozen=True)

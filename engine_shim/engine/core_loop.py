@@ -158,6 +158,7 @@ class CoreLoop:
         self._emit = emit
         self._side = side
         self._out: list[tuple[Any, ...]] = []
+        self._busy_since: float | None = time.perf_counter()  # None while waiting idle
 
     def run(self) -> None:
         """Until STOP: run the calls that came in (waiting for one while idle), then a step."""
@@ -172,19 +173,19 @@ class CoreLoop:
         idle_ends = None if timeout is None else time.monotonic() + timeout
         if timeout is not None and self._side is not None and self._side.is_busy:
             timeout = min(timeout, _SIDE_POLL_S)  # wake to poll the side meanwhile
-        idle_since = time.perf_counter() if block else None  # no work until a call comes
+        if block:  # no work until a call comes: the loop is idle while it waits
+            self._count_busy(keep_counting=False)
         try:
             while True:
                 try:
                     item = self._inbox.get(timeout)
                 except queue.Empty:
-                    self._count_idle(idle_since)
+                    self._busy_since = self._busy_since or time.perf_counter()
                     if idle_ends is not None and time.monotonic() >= idle_ends - _EARLY_WAKE_S:
                         core.reap_expired_reservations()  # and fences past their end
                         self._out.append((EVENTS, []))  # what they freed shows in GetStatus
                     return True
-                self._count_idle(idle_since)
-                idle_since = None
+                self._busy_since = self._busy_since or time.perf_counter()
                 if item == STOP:
                     return False
                 assert isinstance(item, Call)
@@ -193,11 +194,16 @@ class CoreLoop:
         finally:
             self._flush()
 
-    def _count_idle(self, since: float | None) -> None:
-        """The wait since `since` (None: it was no idle wait) into the core's idle time, which
-        its counters report (engine_idle_seconds)."""
-        if since is not None:
-            self._core.idle_time_s += time.perf_counter() - since
+    def _count_busy(self, keep_counting: bool) -> None:
+        """The time since the loop last counted into the core's busy time (its counters
+        report it: engine_busy_seconds); counted at every flush, so the status it sends is
+        never behind by more than a turn, and before each idle wait, which is left out. (An
+        idle counter would only learn a wait's length as it ends: a scrape during a long wait
+        would not see it.)"""
+        if self._busy_since is not None:
+            now = time.perf_counter()
+            self._core.busy_time_s += now - self._busy_since
+            self._busy_since = now if keep_counting else None
 
     def _idle_timeout(self) -> float:
         deadline = self._core.next_deadline()
@@ -249,5 +255,6 @@ class CoreLoop:
             if events:
                 self._out.append((SIDE, events))
         if self._out:
+            self._count_busy(keep_counting=True)
             out, self._out = self._out, []
             self._emit(out, self._core.status_fields())  # the status travels with what changed it

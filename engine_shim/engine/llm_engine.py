@@ -123,7 +123,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self.num_steps = 0
         self.step_time_s = 0.0  # summed wall time of step()
-        self.idle_time_s = 0.0  # summed wall time its loop waited with no work (core_loop)
+        self.busy_time_s = 0.0  # summed wall time its loop worked, idle waits left out (core_loop)
         self.num_sampled_tokens = 0
         self._rng = torch.Generator().manual_seed(config.seed)
         # status()'s constant part; status_fields() gives the rest
@@ -634,7 +634,7 @@ class LLMEngine:
             (prefix.num_queries, prefix.num_query_tokens, prefix.num_hit_tokens,
              prefix.num_cached_pages, prefix.num_evictable_pages),
             (self.num_steps, self.step_time_s, self.num_sampled_tokens, scheduler.num_preemptions,
-             sum(len(r.block_table) for r in reservations.values()), self.idle_time_s),
+             sum(len(r.block_table) for r in reservations.values()), self.busy_time_s),
         )
 
     # ---- conveniences for tests and benchmarks ----

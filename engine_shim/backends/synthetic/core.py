@@ -95,7 +95,7 @@ class SyntheticCore(TransferOps):
         self._device = DeviceClock()
         self._next_seq_id = 0
         self.num_steps = 0
-        self.idle_time_s = 0.0  # its loop's waits with no work (core_loop); not reported
+        self.busy_time_s = 0.0  # its loop's work, idle waits left out (core_loop); not reported
         TransferOps.__init__(self)
 
     # ---- facts ----

@@ -1,5 +1,5 @@
-"""The engine's idle time: the core loop counts the time it waited for a call with no work at
-all (engine_idle_seconds), and only that: waits for calls while requests run are not idle."""
+"""The engine's busy time: the core loop counts the time it worked (engine_busy_seconds), its
+waits for a call with no work at all left out; waiting for calls while requests run is work."""
 
 from __future__ import annotations
 
@@ -38,34 +38,38 @@ class _SlowInbox:
         return STOP
 
 
-def _run(engine: LLMEngine, inbox: _SlowInbox) -> list[StatusFields]:
+def _run(engine: LLMEngine, inbox: _SlowInbox) -> tuple[float, list[StatusFields]]:
+    """The loop's wall time, and the status fields it sent."""
     published: list[StatusFields] = []
 
     def emit(_batch: list[tuple[Any, ...]], fields: StatusFields) -> None:
         published.append(fields)
 
+    started = time.perf_counter()
     CoreLoop(engine, inbox, emit).run()
-    return published
+    return time.perf_counter() - started, published
 
 
-def test_waits_with_no_work_are_idle(make_engine: Callable[..., LLMEngine]) -> None:
+def test_waits_with_no_work_are_not_busy(make_engine: Callable[..., LLMEngine]) -> None:
     engine = make_engine()
     inbox = _SlowInbox(stop_after=3)
-    _run(engine, inbox)
+    wall_s, _ = _run(engine, inbox)
     assert len(inbox.blocking_s) == 3 and not inbox.polling_s
-    assert engine.idle_time_s >= sum(inbox.blocking_s)
-    assert engine.idle_time_s < sum(inbox.blocking_s) + 1.0
+    assert 0 <= engine.busy_time_s <= wall_s - sum(inbox.blocking_s)
     counters = status_from_fields(engine.status(), engine.status_fields()).counters
-    assert counters is not None and counters.idle_time_s == engine.idle_time_s  # reported
+    assert counters is not None and counters.busy_time_s == engine.busy_time_s  # reported
 
 
-def test_polls_while_requests_run_are_not_idle(make_engine: Callable[..., LLMEngine]) -> None:
+def test_polls_while_requests_run_are_busy(make_engine: Callable[..., LLMEngine]) -> None:
     engine = make_engine()
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.start_generate("r", random_prompt(3, 20), 0, sampling)
     inbox = _SlowInbox(stop_after=1)  # the request ends, the loop blocks once: STOP
-    _run(engine, inbox)
+    wall_s, published = _run(engine, inbox)
     assert len(inbox.polling_s) >= 12  # one poll a step while the request ran
     assert len(inbox.blocking_s) == 1
-    blocked, polled = sum(inbox.blocking_s), sum(inbox.polling_s)
-    assert blocked <= engine.idle_time_s < blocked + polled / 2
+    busy_s = engine.busy_time_s
+    assert sum(inbox.polling_s) + engine.step_time_s <= busy_s <= wall_s - sum(inbox.blocking_s)
+    sent = status_from_fields(engine.status(), published[-1]).counters
+    assert sent is not None  # the last batch carried it all but the moments before the wait
+    assert busy_s - sum(inbox.polling_s) / 2 < sent.busy_time_s <= busy_s
