@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field
@@ -18,6 +18,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from microserving.event_loop import EventLoop
 from microserving.pattern_names import PatternName
 from microserving.transport import TransportSettings
 
@@ -58,7 +59,7 @@ class RouterSettings(BaseSettings):
         description="HTTP port of Prometheus /metrics (on host); 0 picks a free one; unset: no endpoint.",
     )
 
-    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+    event_loop: EventLoop = Field(
         default="auto", description="Event loop: uvloop when installed ('auto'), or force one."
     )
     health_interval_s: float = Field(default=1.0, gt=0, description="Seconds between health/status polls per engine.")
