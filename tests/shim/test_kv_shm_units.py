@@ -1,6 +1,6 @@
 """The shared-memory stage's parts on their own (real memfd segments, this process as both
-receiver and sender): leases are reused after a completed push and retired otherwise, the
-budget holds, a sender maps only a receiver's genuine segment, both sides address the same
+receiver and sender): leases are reused after a completed push and retired otherwise, a
+stage offered beside a NIXL write is not backed until a lease needs it, the budget holds, a sender maps only a receiver's genuine segment, both sides address the same
 bytes, and kv_addr_info carries the offer."""
 
 from __future__ import annotations
@@ -49,6 +49,38 @@ def test_a_cleanly_returned_segment_is_reused_and_a_broken_one_retired(pool):
     assert first.fd == -1 and fd not in stage_fds(os.getpid())  # closed: no sender opens it
     fresh = pool.lease(1000)
     assert fresh is not None and fresh is not first
+
+
+def _allocated_bytes(fd: int) -> int:
+    return os.fstat(fd).st_blocks * 512
+
+
+def test_a_stage_offered_beside_a_nixl_write_is_backed_only_when_a_lease_needs_it(pool):
+    unbacked = pool.lease(MIN_SEGMENT_BYTES - HEADER_BYTES, backed=False)
+    assert unbacked is not None and not unbacked.is_backed
+    assert _allocated_bytes(unbacked.fd) < MIN_SEGMENT_BYTES // 2  # the nonce's page at most
+    pool.give_back(unbacked, is_clean=True)
+    again = pool.lease(100)  # a reservation without NIXL: the free segment, backed now
+    assert again is unbacked and again.is_backed
+    assert _allocated_bytes(again.fd) >= MIN_SEGMENT_BYTES
+    backed = pool.lease(100)
+    assert backed is not None and backed.is_backed
+    assert _allocated_bytes(backed.fd) >= MIN_SEGMENT_BYTES
+
+
+def test_a_sender_writes_an_unbacked_stage_like_a_backed_one(pool):
+    per_token = bytes_per_token(LAYOUT)
+    segment = pool.lease(10 * per_token, backed=False)
+    assert segment is not None
+    maps = SegmentMaps(HOST)
+    try:
+        stage = maps.open(segment.offer(HOST), 10 * per_token)
+        assert stage is not None
+        sent = torch.randn(2, 2, 4, 1, 4)
+        staged_chunk(stage, 100, 104, 4, LAYOUT).copy_(sent)
+        assert torch.equal(staged_chunk(segment.data, 100, 104, 4, LAYOUT), sent)
+    finally:
+        maps.close()
 
 
 def test_leases_stop_at_the_budget_and_free_segments_make_room(pool):

@@ -169,8 +169,10 @@ class EmbeddedBackend:
         result = await self.engine.prep_recv(request_id, list(token_ids), end, sampling)
         layout = self.engine.kv_layout
         num_kv_bytes = (result.end - result.prefix_matched_length) * bytes_per_token(layout)
+        # With a NIXL write offered, the stage serves only a sender without NIXL: unbacked.
         ticket = self._table.open(
-            request_id, result.prefix_matched_length, result.end, num_kv_bytes
+            request_id, result.prefix_matched_length, result.end, num_kv_bytes,
+            stage_backed=self._nixl is None,
         )
         addr = KVAddrInfo(
             address=self._address,

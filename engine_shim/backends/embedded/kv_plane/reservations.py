@@ -49,14 +49,16 @@ class ReceiveTable:
         self._staging = staging
         self._tickets: dict[str, Ticket] = {}
 
-    def open(self, request_id: str, begin: int, end: int, num_kv_bytes: int = 0) -> Ticket:
+    def open(self, request_id: str, begin: int, end: int, num_kv_bytes: int = 0,
+             stage_backed: bool = True) -> Ticket:
         """A new ticket; with a stage for `num_kv_bytes` when shared memory is on and the
-        pool has room."""
+        pool has room (`stage_backed` False: its pages are not allocated up front, for a
+        reservation that also offers a NIXL write)."""
         self._close_expired()
         self.close(request_id)
         staging = None
         if self._staging is not None and num_kv_bytes > 0:
-            staging = self._staging.lease(num_kv_bytes)
+            staging = self._staging.lease(num_kv_bytes, stage_backed)
         ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s, staging)
         self._tickets[request_id] = ticket
         return ticket

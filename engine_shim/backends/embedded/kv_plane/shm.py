@@ -26,7 +26,11 @@ in the receiver's pid namespace and with ptrace-read access to it (same user): a
 the open fails and the push goes over gRPC. A random nonce in the first page proves the
 sender mapped the receiver's very segment (a reused pid or fd number fails it). Pages are
 allocated up front (`posix_fallocate`), so a lack of memory fails the lease (gRPC then)
-instead of raising SIGBUS in whichever process writes first.
+instead of raising SIGBUS in whichever process writes first; except for a reservation that
+also offers a NIXL write, which a NIXL sender never stages: its segment is leased unbacked
+(a sender without NIXL faults its pages in as it writes), since backing it would zero up to
+16 MiB in the PrepRecv's path and keep a decode shim's whole stage budget committed for
+nothing. An unbacked segment is backed when a later lease needs it backed.
 
 Mappings are never closed explicitly: tensors made with `torch.frombuffer` keep the mmap
 object alive but not a buffer export, so `mmap.close()` would leave them dangling. Dropping
@@ -98,18 +102,27 @@ def stage_fds(pid: int) -> list[int]:
 class StagingSegment:
     """One segment the receiver created; `data` is its KV area (uint8, after the header)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, backed: bool = True) -> None:
         self.size = size
         self.nonce = secrets.token_hex(_NONCE_BYTES // 2)
         self.fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC)
+        self.is_backed = False
         try:
-            os.posix_fallocate(self.fd, 0, size)
+            os.ftruncate(self.fd, size)
+            if backed:
+                self.back()
             mapping = mmap.mmap(self.fd, size)  # MAP_SHARED
         except BaseException:
             os.close(self.fd)
             raise
         mapping[:_NONCE_BYTES] = self.nonce.encode()
         self.data = torch.frombuffer(mapping, dtype=torch.uint8)[HEADER_BYTES:]
+
+    def back(self) -> None:
+        """Allocate every page now (OSError where memory lacks), not at a sender's write."""
+        if not self.is_backed:
+            os.posix_fallocate(self.fd, 0, self.size)
+            self.is_backed = True
 
     def offer(self, host: str) -> ShmOffer:
         return ShmOffer(host=host, pid=os.getpid(), fd=self.fd, nonce=self.nonce, size=self.size)
@@ -132,19 +145,38 @@ class StagingPool:
         self._leased: dict[int, StagingSegment] = {}  # by fd
         self._has_warned = False
 
-    def lease(self, num_kv_bytes: int) -> StagingSegment | None:
+    def lease(self, num_kv_bytes: int, backed: bool = True) -> StagingSegment | None:
         """A segment for `num_kv_bytes` of KV, or None (over budget, no memory): the
-        reservation is then offered gRPC only."""
+        reservation is then offered gRPC only. `backed` False: its pages need not be
+        allocated up front (the reservation offers NIXL too, module docstring)."""
         fits = [s for s in self._free if s.size - HEADER_BYTES >= num_kv_bytes]
-        segment = min(fits, key=lambda s: s.size) if fits else self._create(num_kv_bytes)
-        if segment is None:
-            return None
         if fits:
+            segment: StagingSegment | None = min(fits, key=lambda s: s.size)
+            assert segment is not None
+            if backed and not self._back(segment):
+                return None
             self._free.remove(segment)
+        else:
+            segment = self._create(num_kv_bytes, backed)
+            if segment is None:
+                return None
         self._leased[segment.fd] = segment
         return segment
 
-    def _create(self, num_kv_bytes: int) -> StagingSegment | None:
+    def _back(self, segment: StagingSegment) -> bool:
+        try:
+            segment.back()
+        except OSError as error:
+            self._warn_once(segment.size, error)
+            return False
+        return True
+
+    def _warn_once(self, size: int, error: OSError) -> None:
+        if not self._has_warned:  # once: a lack of memory would otherwise log every request
+            logger.warning("no shared-memory KV stage of %d bytes (%s); gRPC only", size, error)
+            self._has_warned = True
+
+    def _create(self, num_kv_bytes: int, backed: bool) -> StagingSegment | None:
         # Powers of two, so segments freed by one window size serve nearby ones.
         size = max(MIN_SEGMENT_BYTES, 1 << (num_kv_bytes + HEADER_BYTES - 1).bit_length())
         while self._free and self._num_bytes + size > self._max_bytes:
@@ -152,11 +184,9 @@ class StagingPool:
         if self._num_bytes + size > self._max_bytes:
             return None
         try:
-            segment = StagingSegment(size)
+            segment = StagingSegment(size, backed)
         except OSError as error:
-            if not self._has_warned:  # once: a lack of memory would otherwise log every request
-                logger.warning("no shared-memory KV stage of %d bytes (%s); gRPC only", size, error)
-                self._has_warned = True
+            self._warn_once(size, error)
             return None
         self._num_bytes += size
         return segment
