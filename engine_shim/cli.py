@@ -15,6 +15,7 @@ from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
 from microserving import tracing
 from microserving.event_loop import loop_runner
+from microserving.gc_tuning import freeze_startup_heap
 from microserving.tokenizer import MODEL_HELP
 from microserving.tracing import configure_logging
 
@@ -111,6 +112,7 @@ async def run(settings: ShimSettings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     await server.start()
+    freeze_startup_heap()  # the engine loaded: full collections walk only what serving makes
     if server.metrics_server is not None:
         print(f"microserving shim metrics on http://{settings.host}:{server.metrics_server.port}/metrics", flush=True)
     print(f"microserving shim listening on {server.address}", flush=True)

@@ -17,6 +17,7 @@ from gateway.routes import api, ops
 from gateway.settings import GatewaySettings, settings_from_worker_env
 from gateway.state import GatewayState
 from microserving import tracing
+from microserving.gc_tuning import freeze_startup_heap
 
 
 class RequestMetricsMiddleware:
@@ -53,6 +54,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = GatewayState.create(settings, metrics)
         app.state.gateway = state
+        freeze_startup_heap()  # in each worker, once its app is built
         try:
             yield
         finally:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from microserving.gc_tuning import freeze_startup_heap
 from microserving.metrics import serve_metrics
 from microserving.reflection import enable_server_reflection
 from microserving.transport import add_port, create_server
@@ -71,6 +72,7 @@ async def start_router(router: Router, host: str, port: int) -> RunningRouter:
 async def serve_forever(router: Router, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, printing the bound address once serving."""
     running = await start_router(router, host, port)
+    freeze_startup_heap()
     metrics_port = router.settings.metrics_port
     metrics = None if metrics_port is None else serve_metrics(router.metrics.registry, host, metrics_port)
     if metrics is not None:

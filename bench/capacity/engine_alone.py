@@ -27,6 +27,7 @@ from bench.capacity.client import prompt_ids
 from bench.capacity.engine_steps import figures
 from bench.capacity.nominal import Nominal
 from bench.loadgen.stats import percentile
+from microserving.gc_tuning import freeze_startup_heap
 
 _STOP_WAIT_S = 30.0
 
@@ -119,6 +120,7 @@ class _AloneLoop:
         # there the shim unpacks them, in its own process).
         self.engine.packs_outputs = True
         self.engine.warmup()
+        freeze_startup_heap()  # as the shims' core processes do, so the comparison stays fair
         self._next_id = 0
 
     def run(self, streams: int, input_len: int, output_len: int, num_requests: int,

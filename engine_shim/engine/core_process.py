@@ -31,6 +31,8 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
+from microserving.gc_tuning import freeze_startup_heap
+
 from .api import StatusFields, UnavailableError
 from .core_loop import STOP, Call, CoreFacts, CoreLoop, Emit, Side, SideFactory, core_facts
 
@@ -316,6 +318,7 @@ def _child_main(
         logger.exception("engine failed to start")
         conn.send(("failed", UnavailableError(f"engine failed to start: {exc}")))
         return
+    freeze_startup_heap()  # the model, its graphs: a full collection would stall the loop
     conn.send(("started", facts))
     writer = _Writer(conn)
     try:
