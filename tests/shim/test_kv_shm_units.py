@@ -83,6 +83,13 @@ def test_a_sender_writes_an_unbacked_stage_like_a_backed_one(pool):
         maps.close()
 
 
+def test_a_window_of_a_power_of_two_takes_a_segment_of_its_size_and_one_page(pool):
+    exact = pool.lease(2 * MIN_SEGMENT_BYTES - 2 * HEADER_BYTES)  # 2 MiB of KV
+    assert exact is not None and exact.size == HEADER_BYTES + 2 * (MIN_SEGMENT_BYTES - HEADER_BYTES)
+    small = pool.lease(1000)
+    assert small is not None and small.size == MIN_SEGMENT_BYTES
+
+
 def test_leases_stop_at_the_budget_and_free_segments_make_room(pool):
     leased = [pool.lease(MIN_SEGMENT_BYTES - HEADER_BYTES) for _ in range(4)]
     assert all(s is not None for s in leased)

@@ -28,8 +28,8 @@ sender mapped the receiver's very segment (a reused pid or fd number fails it). 
 allocated up front (`posix_fallocate`), so a lack of memory fails the lease (gRPC then)
 instead of raising SIGBUS in whichever process writes first; except for a reservation that
 also offers a NIXL write, which a NIXL sender never stages: its segment is leased unbacked
-(a sender without NIXL faults its pages in as it writes), since backing it would zero up to
-16 MiB in the PrepRecv's path and keep a decode shim's whole stage budget committed for
+(a sender without NIXL faults its pages in as it writes), since backing it would zero megabytes
+(8 MiB for 255 tokens of llama-1b) in the PrepRecv's path and keep a decode shim's whole stage budget committed for
 nothing. An unbacked segment is backed when a later lease needs it backed.
 
 Mappings are never closed explicitly: tensors made with `torch.frombuffer` keep the mmap
@@ -59,7 +59,8 @@ from engine_shim.engine.api import KVLayout, UnavailableError
 logger = logging.getLogger(__name__)
 
 HEADER_BYTES = 4096  # the nonce lives here; KV starts page-aligned after it
-MIN_SEGMENT_BYTES = 1 << 20
+_MIN_KV_BYTES = 1 << 20
+MIN_SEGMENT_BYTES = HEADER_BYTES + _MIN_KV_BYTES
 MEMFD_NAME = "microserving-kv"  # shows as /memfd:microserving-kv in /proc/<pid>/fd
 _NONCE_BYTES = 32  # hex characters
 # A sender keeps this many receivers' segments mapped, least recently used out first. It must
@@ -177,8 +178,10 @@ class StagingPool:
             self._has_warned = True
 
     def _create(self, num_kv_bytes: int, backed: bool) -> StagingSegment | None:
-        # Powers of two, so segments freed by one window size serve nearby ones.
-        size = max(MIN_SEGMENT_BYTES, 1 << (num_kv_bytes + HEADER_BYTES - 1).bit_length())
+        # KV areas in powers of two, so segments freed by one window size serve nearby ones;
+        # the header page beside them, not inside (a window of a power of two, e.g. 256
+        # tokens of llama-1b in 8 MiB, would otherwise take a segment twice its size).
+        size = HEADER_BYTES + max(_MIN_KV_BYTES, 1 << (num_kv_bytes - 1).bit_length())
         while self._free and self._num_bytes + size > self._max_bytes:
             self._retire(max(self._free, key=lambda s: s.size))
         if self._num_bytes + size > self._max_bytes:
