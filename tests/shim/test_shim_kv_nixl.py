@@ -2,7 +2,8 @@
 where NIXL loads and PD through it matches one shim alone; the receiver refuses a write that
 quotes another offer or layout, completes a reservation only on the claimed agent's
 notification, and fences the pages of a write that breaks off, then frees them; a dead or
-stalled receiver ends RemoteSend with a clear code and the sender's pages come back. The
+stalled receiver ends RemoteSend with a clear code and the sender's pages come back; a
+reservation that offers a NIXL write commits no memory to its shared-memory stage. The
 receiving and sending checks run twice: with the agent in the shim (a core in a thread) and
 in the engine core's own process (`--engine-process on`, nixl_core.py)."""
 
@@ -354,3 +355,29 @@ async def test_write_kv_on_a_shim_without_nixl_is_invalid(tmp_path: Path):
     finally:
         shim.stop()
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def _allocated_bytes(pid: int, fd: int) -> int:
+    return os.stat(f"/proc/{pid}/fd/{fd}").st_blocks * 512
+
+
+async def test_a_reservation_offering_a_nixl_write_stages_no_memory_up_front(tmp_path: Path):
+    """Its shared-memory stage (for a sender without NIXL) is leased unbacked; a receiver
+    that offers no NIXL write backs its stage at once, so a lack of memory shows at the lease."""
+    shims = {name: start_shim(tmp_path, name, *args) for name, args in
+             (("nixl-d", ()), ("shm-d", ("--kv-transport", "shm")))}
+    try:
+        allocated = {}
+        for name, shim in shims.items():
+            channel, stub = engine_stub(shim.address)
+            async with channel:
+                info = await _reserve(stub, f"{name}-r", [t + 140 for t in PROMPT])
+                assert ("nixl" in info) == (name == "nixl-d") and "shm" in info
+                allocated[name] = _allocated_bytes(shim.process.pid, info["shm"]["fd"])
+                size = info["shm"]["size"]
+                await stub.Abort(engine_pb2.AbortRequest(request_id=f"{name}-r"))
+        assert allocated["nixl-d"] <= 4096  # the nonce's page at most
+        assert allocated["shm-d"] >= size
+    finally:
+        for shim in shims.values():
+            shim.stop()
