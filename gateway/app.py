@@ -47,14 +47,18 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
 
-def create_app(settings: GatewaySettings) -> FastAPI:
+def create_app(settings: GatewaySettings, freeze_heap: bool = False) -> FastAPI:
+    """`freeze_heap`: the process serves only this app (the CLI's, each worker's), so its
+    startup heap is frozen once the app is built (microserving/gc_tuning.py); an app embedded
+    in another process leaves that process's collector alone."""
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         state = GatewayState.create(settings, metrics)
         app.state.gateway = state
-        freeze_startup_heap()  # in each worker, once its app is built
+        if freeze_heap:
+            freeze_startup_heap()
         try:
             yield
         finally:
@@ -76,4 +80,4 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 def app_from_worker_env() -> FastAPI:
     """The app of one worker process of `microserving gateway --workers N` (uvicorn's factory:
     each worker builds its own app, router channels and streams)."""
-    return create_app(settings_from_worker_env())
+    return create_app(settings_from_worker_env(), freeze_heap=True)

@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     if settings.workers > 1:
         _run_workers(settings, sock)
         return 0
-    config = uvicorn.Config(create_app(settings), log_level=settings.log_level,
+    config = uvicorn.Config(create_app(settings, freeze_heap=True), log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=5,
                             http=header_timeout_protocol(settings.header_timeout_s))
     uvicorn.Server(config).run(sockets=[sock])
