@@ -1,10 +1,16 @@
-"""Server-sent events as MLC streams them: `data: {json}` lines, ended by `data: [DONE]`."""
+"""Server-sent events as MLC streams them: `data: {json}` lines, ended by `data: [DONE]`.
+
+Payloads are parsed with orjson: one per running request per engine step, with logprobs
+(where MLC puts the token ids), 1.0 against 3.9 us a chunk with the standard library's json;
+side by side in `microserving bench mlc-relay` at 32 streams the shim went from 28.7 to
+25.7 ms of CPU per 1,000 relayed tokens (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any
+
+import orjson
 
 DONE = b"[DONE]"
 
@@ -30,4 +36,4 @@ async def sse_json(chunks: AsyncIterable[bytes]) -> AsyncIterator[dict[str, Any]
                     pass
                 return
             if payload:
-                yield json.loads(payload)
+                yield orjson.loads(payload)
