@@ -28,9 +28,10 @@ sender mapped the receiver's very segment (a reused pid or fd number fails it). 
 allocated up front (`posix_fallocate`), so a lack of memory fails the lease (gRPC then)
 instead of raising SIGBUS in whichever process writes first; except for a reservation that
 also offers a NIXL write, which a NIXL sender never stages: its segment is leased unbacked
-(a sender without NIXL faults its pages in as it writes), since backing it would zero megabytes
-(8 MiB for 255 tokens of llama-1b) in the PrepRecv's path and keep a decode shim's whole stage budget committed for
-nothing. An unbacked segment is backed when a later lease needs it backed.
+(a sender without NIXL faults its pages in as it writes), since backing it would zero
+megabytes in PrepRecv's path (8 MiB for 255 tokens of llama-1b) and keep a decode shim's
+whole stage budget committed for nothing. An unbacked segment is backed when a later lease
+needs it backed.
 
 Mappings are never closed explicitly: tensors made with `torch.frombuffer` keep the mmap
 object alive but not a buffer export, so `mmap.close()` would leave them dangling. Dropping
@@ -152,15 +153,15 @@ class StagingPool:
         allocated up front (the reservation offers NIXL too, module docstring)."""
         fits = [s for s in self._free if s.size - HEADER_BYTES >= num_kv_bytes]
         if fits:
-            segment: StagingSegment | None = min(fits, key=lambda s: s.size)
-            assert segment is not None
+            segment = min(fits, key=lambda s: s.size)
             if backed and not self._back(segment):
                 return None
             self._free.remove(segment)
         else:
-            segment = self._create(num_kv_bytes, backed)
-            if segment is None:
+            created = self._create(num_kv_bytes, backed)
+            if created is None:
                 return None
+            segment = created
         self._leased[segment.fd] = segment
         return segment
 
