@@ -1,4 +1,5 @@
-# GPU call 3 (2026-12-05, third session): the capacity bench at 64 and 128 streams, round-robin
+# Prepared for the next device loan (not run: the device was not lent again on 2026-12-05).
+# GPU call 3: the capacity bench at 64 and 128 streams, round-robin
 # and disagg, one round, the tree of ba02ade (before the startup heap freeze; git worktree add
 # --detach .ab/base ba02ade; carry .ab/base) and this tree, alternating, on one host.
 # Usage on the device: bash ab.sh "$OUT"

@@ -1,4 +1,5 @@
-# GPU call 2 (2026-12-05, third session): `scripts/gpu_run.sh` step `capacity` on this tree,
+# Prepared for the next device loan (not run: the device was not lent again on 2026-12-05).
+# GPU call 2: `scripts/gpu_run.sh` step `capacity` on this tree,
 # three rounds (the engine alone and the whole stack, round-robin and disagg 1P:1D, 1/32/64/128
 # streams). Usage on the device: bash full.sh "$OUT"
 O=$1; R=/tmp/full; rm -rf $R; mkdir -p $R "$O"
