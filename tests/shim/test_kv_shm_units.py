@@ -68,21 +68,6 @@ def test_a_stage_offered_beside_a_nixl_write_is_backed_only_when_a_lease_needs_i
     assert _allocated_bytes(backed.fd) >= MIN_SEGMENT_BYTES
 
 
-def test_a_sender_writes_an_unbacked_stage_like_a_backed_one(pool):
-    per_token = bytes_per_token(LAYOUT)
-    segment = pool.lease(10 * per_token, backed=False)
-    assert segment is not None
-    maps = SegmentMaps(HOST)
-    try:
-        stage = maps.open(segment.offer(HOST), 10 * per_token)
-        assert stage is not None
-        sent = torch.randn(2, 2, 4, 1, 4)
-        staged_chunk(stage, 100, 104, 4, LAYOUT).copy_(sent)
-        assert torch.equal(staged_chunk(segment.data, 100, 104, 4, LAYOUT), sent)
-    finally:
-        maps.close()
-
-
 def test_a_window_of_a_power_of_two_takes_a_segment_of_its_size_and_one_page(pool):
     exact = pool.lease(2 * MIN_SEGMENT_BYTES - 2 * HEADER_BYTES)  # 2 MiB of KV
     assert exact is not None and exact.size == HEADER_BYTES + 2 * (MIN_SEGMENT_BYTES - HEADER_BYTES)
@@ -115,9 +100,10 @@ def test_close_releases_every_segment():
     assert stage_fds(os.getpid()) == []
 
 
-def test_the_sender_writes_the_bytes_the_receiver_reads(pool):
+@pytest.mark.parametrize("backed", [True, False])  # unbacked: a stage offered beside NIXL
+def test_the_sender_writes_the_bytes_the_receiver_reads(pool, backed):
     per_token = bytes_per_token(LAYOUT)
-    segment = pool.lease(10 * per_token)
+    segment = pool.lease(10 * per_token, backed=backed)
     assert segment is not None
     maps = SegmentMaps(HOST)
     try:
