@@ -18,6 +18,7 @@ COPY microserving ./microserving
 COPY engine_shim ./engine_shim
 COPY router ./router
 COPY gateway ./gateway
+COPY colocated ./colocated
 COPY bench ./bench
 
 # The gateway and the router: the package without extras (no torch, numpy or matplotlib).

@@ -3,7 +3,7 @@ lifetime (opened when the app starts, closed when it stops)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
@@ -13,6 +13,7 @@ from gateway.body_limit import BodyLimitMiddleware
 from gateway.errors import install_error_handlers
 from gateway.metrics import GatewayMetrics
 from gateway.request_id import RequestIdMiddleware
+from gateway.router_client import RouterLink
 from gateway.routes import api, ops
 from gateway.settings import GatewaySettings, settings_from_worker_env
 from gateway.state import GatewayState
@@ -47,16 +48,22 @@ class RequestMetricsMiddleware:
             self.metrics.requests.labels(endpoint=endpoint, status=str(status["code"])).inc()
 
 
-def create_app(settings: GatewaySettings, freeze_heap: bool = False) -> FastAPI:
+def create_app(settings: GatewaySettings, freeze_heap: bool = False,
+               router: Callable[[], RouterLink] | None = None) -> FastAPI:
     """`freeze_heap`: the process serves only this app (the CLI's, each worker's), so its
     startup heap is frozen once the app is built (microserving/gc_tuning.py); an app embedded
-    in another process leaves that process's collector alone."""
+    in another process leaves that process's collector alone. `router`: makes the router link
+    in the serving loop (`microserving serve`: a router in this process), in place of a gRPC
+    client of `settings.router`; started before the app serves, closed after."""
     metrics = GatewayMetrics()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        state = GatewayState.create(settings, metrics)
+        state = GatewayState.create(settings, metrics, None if router is None else router())
         app.state.gateway = state
+        if state.router.metrics_registry is not None:
+            metrics.also_render(state.router.metrics_registry)
+        await state.router.start()
         if freeze_heap:
             freeze_startup_heap()
         try:

@@ -11,9 +11,11 @@ import os
 import socket
 import sys
 import tempfile
+from collections.abc import Callable
 from typing import Any
 
 import uvicorn
+from fastapi import FastAPI
 from pydantic import ValidationError
 from uvicorn.supervisors import Multiprocess
 
@@ -68,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from_args(argv: list[str]) -> GatewaySettings:
     """Flags given on the command line override the environment (MICROSERVING_GATEWAY_*)."""
-    args = build_parser().parse_args(argv)
+    return settings_from_namespace(build_parser().parse_args(argv))
+
+
+def settings_from_namespace(args: argparse.Namespace) -> GatewaySettings:
+    """The settings of `build_parser()`'s flags (None: not given) over the environment."""
     reject_unknown_env()
     given: dict[str, Any] = {k: v for k, v in vars(args).items() if v is not None}
     return GatewaySettings(**given)
@@ -93,6 +99,15 @@ def main(argv: list[str] | None = None) -> int:
     except (ValidationError, ValueError) as error:
         print(f"microserving gateway: {error}", file=sys.stderr)
         return 2
+    return serve(settings, lambda: create_app(settings, freeze_heap=True),
+                 "gateway.app:app_from_worker_env", f"router {settings.router}")
+
+
+def serve(settings: GatewaySettings, build_app: Callable[[], FastAPI], worker_factory: str,
+          router_text: str) -> int:
+    """Binds the HTTP socket, says so, then serves `build_app()` (one process) or
+    `settings.workers` processes that each build theirs with `worker_factory` (an import path
+    that uvicorn calls, reading the settings from the environment)."""
     configure_logging(settings.log_level)
     try:
         sock = bind_socket(settings.host, settings.port)
@@ -101,19 +116,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{error.strerror}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    print(f"microserving gateway listening on {host}:{port} (router {settings.router}, "
+    print(f"microserving gateway listening on {host}:{port} ({router_text}, "
           f"{settings.workers} worker{'s' if settings.workers > 1 else ''})", flush=True)
     if settings.workers > 1:
-        _run_workers(settings, sock)
+        _run_workers(settings, sock, worker_factory)
         return 0
-    config = uvicorn.Config(create_app(settings, freeze_heap=True), log_level=settings.log_level,
+    config = uvicorn.Config(build_app(), log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=5,
                             http=header_timeout_protocol(settings.header_timeout_s))
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
 
-def _run_workers(settings: GatewaySettings, sock: socket.socket) -> None:
+def _run_workers(settings: GatewaySettings, sock: socket.socket, worker_factory: str) -> None:
     """uvicorn's supervisor runs `settings.workers` processes on the one listening socket (the
     kernel spreads connections over them); each builds its app from the environment. Their
     Prometheus metrics are summed through a shared directory (prometheus-client's
@@ -121,7 +136,7 @@ def _run_workers(settings: GatewaySettings, sock: socket.socket) -> None:
     os.environ[WORKER_SETTINGS_ENV] = worker_settings_json(settings)
     with tempfile.TemporaryDirectory(prefix="microserving-gateway-metrics-") as metrics_dir:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
-        config = uvicorn.Config("gateway.app:app_from_worker_env", factory=True,
+        config = uvicorn.Config(worker_factory, factory=True,
                                 workers=settings.workers, log_level=settings.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 http=WORKER_PROTOCOL)

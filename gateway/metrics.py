@@ -46,6 +46,7 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "microserving_gateway_completion_tokens", "Generated tokens of finished requests.",
             registry=self.registry)
+        self._also: list[CollectorRegistry] = []  # e.g. an in-process router's (serve)
         self.inflight = Gauge(
             "microserving_gateway_inflight_requests", "Generation requests being served.",
             registry=self.registry, multiprocess_mode="livesum")
@@ -53,9 +54,15 @@ class GatewayMetrics:
     def count_error(self, error: GatewayError) -> None:
         self.errors.labels(code=error.kind.code).inc()
 
+    def also_render(self, registry: CollectorRegistry) -> None:
+        """`registry` goes on /metrics too (the router of `microserving serve`, in this
+        process). With worker processes its counters and histograms are summed with the
+        rest; collectors that compute their values when scraped are left out there."""
+        self._also.append(registry)
+
     def render(self) -> bytes:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # worker processes: all of them summed
             registry = CollectorRegistry()
             MultiProcessCollector(registry)
             return generate_latest(registry)
-        return generate_latest(self.registry)
+        return b"".join(generate_latest(r) for r in (self.registry, *self._also))

@@ -35,11 +35,12 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from types import TracebackType
-from typing import TypeAlias, TypeVar
+from typing import Protocol, TypeAlias, TypeVar
 
 import grpc
 from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import CollectorRegistry
 
 from microserving.multiplex import MultiplexedCall, unavailable
 from microserving.transport import TransportSettings, create_channel
@@ -73,6 +74,42 @@ def _responses_of(batch: router_pb2.GenerateBatchedResponse) -> Sequence[router_
 
 def _request_id_of(response: router_pb2.GenerateResponse) -> str:
     return response.request_id
+
+
+class RouterStream(Protocol):
+    """One HTTP request's router requests: `GenerateStream` on a shared gRPC call, or a
+    stream of a router in this process (router/inprocess.py, `microserving serve`)."""
+
+    async def start(self, requests: Sequence[router_pb2.NewRequest]) -> None: ...
+
+    def batches(self) -> AsyncIterator[list[router_pb2.GenerateResponse]]: ...
+
+    @property
+    def is_finished(self) -> bool: ...
+
+    def close(self) -> None: ...
+
+
+class RouterLink(Protocol):
+    """What the gateway asks of its router: `RouterClient` over gRPC, or a router run in the
+    gateway's own process (router/inprocess.py), handed to `create_app`."""
+
+    address: str
+
+    @property
+    def metrics_registry(self) -> CollectorRegistry | None:
+        """The router's Prometheus metrics, to serve on the gateway's /metrics (a router in
+        this process); None for a router of its own, which serves them itself."""
+
+    async def start(self) -> None: ...
+
+    def open_stream(self) -> RouterStream: ...
+
+    async def list_models(self, timeout_s: float = 5.0) -> router_pb2.ListModelsResponse: ...
+
+    async def is_serving(self, timeout_s: float) -> bool: ...
+
+    async def close(self) -> None: ...
 
 
 class GenerateStream:
@@ -207,6 +244,10 @@ class RouterClient:
         self._max_calls = max(len(self._replicas), max_calls)
         self._requests_per_call = max(1, requests_per_call)
         self.num_generate_calls = 0  # Router.GenerateBatched calls opened so far
+        self.metrics_registry: CollectorRegistry | None = None  # the router serves its own
+
+    async def start(self) -> None:
+        """Nothing to start: the channels connect when first used."""
 
     def open_stream(self) -> GenerateStream:
         return GenerateStream(self)

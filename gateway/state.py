@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from gateway.admission import AdmissionLimit
 from gateway.auth import ApiKeyChecker
 from gateway.metrics import GatewayMetrics
-from gateway.router_client import RouterClient
+from gateway.router_client import RouterClient, RouterLink
 from gateway.serving.base import ServingContext
 from gateway.serving.chat import ChatServing
 from gateway.serving.completion import CompletionServing
@@ -18,21 +18,24 @@ from microserving.transport import TransportSettings
 @dataclass
 class GatewayState:
     settings: GatewaySettings
-    router: RouterClient
+    router: RouterLink
     metrics: GatewayMetrics
     api_keys: ApiKeyChecker
     completions: CompletionServing
     chat: ChatServing
 
     @classmethod
-    def create(cls, settings: GatewaySettings, metrics: GatewayMetrics) -> GatewayState:
-        """Must run inside the event loop that serves the app (the gRPC channel binds to it)."""
+    def create(cls, settings: GatewaySettings, metrics: GatewayMetrics,
+               router: RouterLink | None = None) -> GatewayState:
+        """Must run inside the event loop that serves the app (the gRPC channel binds to it).
+        `router`: the router link to use instead of a `RouterClient` of `settings.router`."""
         token = settings.token.get_secret_value() if settings.token else None
         transport = TransportSettings(tls_cert=settings.tls_cert, tls_key=settings.tls_key,
                                       tls_ca=settings.tls_ca, token=token,
                                       tls_server_name=settings.tls_server_name)
-        router = RouterClient(settings.router, transport, max_calls=settings.router_streams,
-                              requests_per_call=settings.requests_per_router_stream)
+        if router is None:
+            router = RouterClient(settings.router, transport, max_calls=settings.router_streams,
+                                  requests_per_call=settings.requests_per_router_stream)
 
         api_keys = ApiKeyChecker(settings.all_api_keys())
         context = ServingContext(router=router, metrics=metrics,

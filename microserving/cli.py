@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "mlc-compat": ("engine_shim.mlc_http.cli", "serve the embedded engine over MLC's HTTP wire format"),
     "router": ("router.cli", "run the gRPC router"),
     "gateway": ("gateway.cli", "run the OpenAI HTTP gateway"),
+    "serve": ("colocated.cli", "run the gateway with the router in its process (no router hop)"),
     "up": ("microserving.stack.up", "start a whole local stack: shims, router and gateway"),
     "bench": ("bench.cli", "benchmark an OpenAI-compatible server"),
 }

@@ -52,10 +52,53 @@ def _map_errors(
     return wrapper
 
 
-class RouterServicer(router_pb2_grpc.RouterServicer):
+class RequestHost:
+    """Runs one router request into an Outbox: the router's own limit on requests in flight,
+    its trace span, tokenization off the event loop, then the RequestRunner. Shared by the
+    gRPC service and a router embedded in the gateway's process (gateway/embedded_router.py)."""
+
     def __init__(self, router: Router) -> None:
+        self.router = router
+        self.num_inflight = 0
+
+    async def run(self, new: router_pb2.NewRequest, outbox: Outbox) -> None:
+        router = self.router
+        limit = router.settings.max_inflight
+        if limit and self.num_inflight >= limit:
+            put_error(outbox, new.request_id, OverloadedError(
+                f"the router has {limit} requests in flight, its limit; retry later"))
+            return
+        arrived_s = time.perf_counter()
+        self.num_inflight += 1
+        router.metrics.inflight.inc()
+        span = tracing.Span("router.request", tracing.valid_traceparent(new.traceparent),
+                            {"microserving.request_id": new.request_id}).start()
+        try:
+            try:
+                prepared = await prepare_off_loop(new, router.tokenizer, router.model_id,
+                                                  router.registry.max_context_length)
+            except RouterError as exc:
+                put_error(outbox, new.request_id, exc)
+                return
+            await RequestRunner(router, prepared, outbox, arrived_s, span).run()
+        finally:
+            span.end()
+            self.num_inflight -= 1
+            router.metrics.inflight.dec()
+
+
+def list_models(router: Router) -> router_pb2.ListModelsResponse:
+    model = router_pb2.ModelInfo(
+        id=router.model_id, created=router.created, owned_by="microserving",
+        max_context_length=router.registry.max_context_length or 0,
+    )
+    return router_pb2.ListModelsResponse(models=[model])
+
+
+class RouterServicer(router_pb2_grpc.RouterServicer):
+    def __init__(self, router: Router, host: RequestHost | None = None) -> None:
         self._router = router
-        self._num_inflight = 0
+        self._host = host or RequestHost(router)
 
     async def Generate(
         self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
@@ -128,45 +171,15 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise StreamError("generate.request_id must be set")
         if new.request_id in runners:
             raise StreamError(f"request_id {new.request_id!r} is already active on this stream")
-        task = asyncio.get_running_loop().create_task(self._run(new, outbox))
+        task = asyncio.get_running_loop().create_task(self._host.run(new, outbox))
         runners[new.request_id] = task
         task.add_done_callback(lambda _: runners.pop(new.request_id, None))
-
-    async def _run(self, new: router_pb2.NewRequest, outbox: Outbox) -> None:
-        router = self._router
-        limit = router.settings.max_inflight
-        if limit and self._num_inflight >= limit:
-            _put_error(outbox, new.request_id, OverloadedError(
-                f"the router has {limit} requests in flight, its limit; retry later"))
-            return
-        arrived_s = time.perf_counter()
-        self._num_inflight += 1
-        router.metrics.inflight.inc()
-        span = tracing.Span("router.request", tracing.valid_traceparent(new.traceparent),
-                            {"microserving.request_id": new.request_id}).start()
-        try:
-            try:
-                prepared = await prepare_off_loop(new, router.tokenizer, router.model_id,
-                                                  router.registry.max_context_length)
-            except RouterError as exc:
-                _put_error(outbox, new.request_id, exc)
-                return
-            await RequestRunner(router, prepared, outbox, arrived_s, span).run()
-        finally:
-            span.end()
-            self._num_inflight -= 1
-            router.metrics.inflight.dec()
 
     @_map_errors
     async def ListModels(
         self, request: router_pb2.ListModelsRequest, context: aio.ServicerContext
     ) -> router_pb2.ListModelsResponse:
-        router = self._router
-        model = router_pb2.ModelInfo(
-            id=router.model_id, created=router.created, owned_by="microserving",
-            max_context_length=router.registry.max_context_length or 0,
-        )
-        return router_pb2.ListModelsResponse(models=[model])
+        return list_models(self._router)
 
     @_map_errors
     async def GetStatus(
@@ -178,7 +191,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             pd_balance_factor=router.pd_balance_factor,
             cache_aware=router.cache_aware,
             engines=[e.to_info() for e in router.registry.endpoints],
-            num_inflight_requests=self._num_inflight,
+            num_inflight_requests=self._host.num_inflight,
         )
 
     @_map_errors
@@ -195,6 +208,6 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         )
 
 
-def _put_error(outbox: Outbox, request_id: str, exc: RouterError) -> None:
+def put_error(outbox: Outbox, request_id: str, exc: RouterError) -> None:
     error = router_pb2.RequestError(code=exc.code.value[0], message=exc.message, param=exc.param)
     outbox.put(request_id, error=error)

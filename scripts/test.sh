@@ -35,7 +35,7 @@ tools/node_modules/.bin/buf lint
 echo "== ruff"
 ruff check .
 echo "== mypy"
-mypy microserving engine_shim router gateway bench
+mypy microserving engine_shim router gateway colocated bench
 if ! wait "$policy_pid"; then
   echo "scripts/policy_tools.sh failed (the policy scanner's venv):" >&2
   cat "$policy_log" >&2

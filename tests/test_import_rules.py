@@ -1,6 +1,7 @@
 """The walls between the rooms, checked on the source (ast, nothing imported): the gateway,
 router and engine shim never import each other, the shared `microserving` package imports
-none of them, the embedded engine imports no gRPC (not even through another module), and no
+none of them, only `colocated` (`microserving serve`) puts the gateway and the router
+together and nothing imports it, the embedded engine imports no gRPC (not even through another module), and no
 package has an import cycle."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from import_graph import cycles, external_imports, find_modules, import_graph, r
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("gateway", "router", "engine_shim")
-PACKAGES = ("microserving", *SERVICES)
+PACKAGES = ("microserving", *SERVICES, "colocated")
 MODULES = find_modules(ROOT, PACKAGES)
 GRAPH = import_graph(MODULES)
 
@@ -45,6 +46,16 @@ def test_the_shared_package_imports_no_service() -> None:
     assert _crossings("microserving", SERVICES) == []
 
 
+@pytest.mark.parametrize("package", ["microserving", *SERVICES])
+def test_nothing_imports_the_package_that_joins_gateway_and_router(package: str) -> None:
+    assert _crossings(package, ("colocated",)) == []
+
+
+def test_the_joining_package_joins_only_gateway_and_router() -> None:
+    assert _crossings("colocated", ("engine_shim",)) == []
+    assert _crossings("colocated", ("gateway",)) and _crossings("colocated", ("router",))
+
+
 def test_the_embedded_engine_imports_no_grpc_even_indirectly() -> None:
     engine = [m for m in MODULES if _in(m, "engine_shim.engine")]
     external = external_imports(MODULES)
@@ -66,7 +77,7 @@ def test_the_scheduler_and_page_pool_are_plain_python() -> None:
     assert heavy == []
 
 
-@pytest.mark.parametrize("package", ["microserving", "gateway", "router", "engine_shim"])
+@pytest.mark.parametrize("package", ["microserving", "gateway", "router", "engine_shim", "colocated"])
 def test_no_import_cycle_inside(package: str) -> None:
     assert [sorted(c) for c in cycles(GRAPH, package)] == []
 

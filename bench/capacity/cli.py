@@ -68,6 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     p.add_argument("--router-replicas", type=int, default=1,
                    help="router processes over the same engines, all given to the gateway")
+    p.add_argument("--embed-router", action="store_true",
+                   help="the router inside the gateway's process(es) (`microserving serve`), "
+                        "no router process")
     p.add_argument("--backend", choices=["synthetic", "embedded"], default="synthetic",
                    help="the shims' engine: the synthetic schedule (default) or the real embedded "
                         "engine, then measured against itself alone in-process (needs --requests or "
@@ -105,6 +108,7 @@ def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
     return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
                         max_num_seqs=max(256, max_streams), gateway_workers=args.gateway_workers,
                         router_replicas=args.router_replicas, shim_args=tuple(args.shim_arg),
+                        embed_router=args.embed_router,
                         backend=args.backend, model=args.model, device=args.device,
                         startup_timeout_s=600.0 if args.backend != "synthetic" else 120.0)
 
@@ -227,6 +231,8 @@ def main(argv: list[str]) -> int:
             < 1 or args.input_len < 2):
         parser.error("--rounds, --streams, --output-len, --gateway-workers and --router-replicas "
                      "must be >= 1, --input-len >= 2")
+    if args.embed_router and args.router_replicas != 1:
+        parser.error("--embed-router runs a router in each gateway worker: no --router-replicas")
     if args.backend != "synthetic" and args.requests is None and args.requests_per_stream is None:
         parser.error("--backend embedded counts tokens from usage: give --requests or "
                      "--requests-per-stream")

@@ -5,8 +5,10 @@ each, read from /proc (a service's whole process group; a shim's engine thread a
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.capacity.cpu import group_cpu_s, thread_cpu_s
 from bench.control_plane_run import wait_grpc_serving, wait_http_ready
@@ -28,6 +30,7 @@ class StackOptions:
     gateway_workers: int = 1  # the gateway's --workers (its processes share its group)
     router_replicas: int = 1  # router processes, all given to the gateway's --router
     router_args: tuple[str, ...] = ()
+    embed_router: bool = False  # the router inside the gateway: `microserving serve`
     startup_timeout_s: float = 120.0
     backend: str = "synthetic"  # or "embedded": the real engine (e.g. on a GPU)
     device: str = "cpu"
@@ -93,25 +96,35 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
     for role, service in zip(roles, shims, strict=True):
         await wait_grpc_serving(service.address, options.startup_timeout_s)
         processes.append(StackProcess(f"shim-{role}", service, engine_tid(service)))
-        engines.append(f"--engine={service.address}={role}")
-    router_names = (["router"] if options.router_replicas == 1
-                    else [f"router-{i}" for i in range(options.router_replicas)])
-    metrics_ports = free_ports(len(router_names))
-    routers = await asyncio.gather(*(
-        asyncio.to_thread(group.start, f"{pattern}-{name}", [
-            "router", *engines, "--pattern", pattern, "--model", options.model,
-            "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
-            "--metrics-port", str(port), *options.router_args,
-        ])
-        for name, port in zip(router_names, metrics_ports, strict=True)
-    ))
-    for router in routers:
-        await wait_grpc_serving(router.address, options.startup_timeout_s)
+        engines.append(f"{service.address}={role}")
     workers = [] if options.gateway_workers == 1 else ["--workers", str(options.gateway_workers)]
-    gateway = group.start(f"{pattern}-gateway", [
-        "gateway", "--router", ",".join(r.address for r in routers), "--host", "127.0.0.1",
-        "--port", "0", "--log-level", "warning", *workers,
-    ])
+    if options.embed_router:
+        router_names: list[str] = []
+        metrics_ports = free_ports(1)
+        config = _router_config(group, pattern, options, engines, metrics_ports[0])
+        gateway = group.start(f"{pattern}-gateway", [
+            "serve", "--router-config", str(config), "--host", "127.0.0.1",
+            "--port", "0", "--log-level", "warning", *workers,
+        ])
+        routers = []
+    else:
+        router_names = (["router"] if options.router_replicas == 1
+                        else [f"router-{i}" for i in range(options.router_replicas)])
+        metrics_ports = free_ports(len(router_names))
+        routers = await asyncio.gather(*(
+            asyncio.to_thread(group.start, f"{pattern}-{name}", [
+                "router", *(f"--engine={e}" for e in engines), "--pattern", pattern, "--model", options.model,
+                "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
+                "--metrics-port", str(port), *options.router_args,
+            ])
+            for name, port in zip(router_names, metrics_ports, strict=True)
+        ))
+        for router in routers:
+            await wait_grpc_serving(router.address, options.startup_timeout_s)
+        gateway = group.start(f"{pattern}-gateway", [
+            "gateway", "--router", ",".join(r.address for r in routers), "--host", "127.0.0.1",
+            "--port", "0", "--log-level", "warning", *workers,
+        ])
     base_url = f"http://{gateway.address}/v1"
     await wait_http_ready(f"{base_url[:-3]}/health", options.startup_timeout_s)
     processes = [StackProcess("gateway", gateway),
@@ -119,3 +132,15 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
                  *processes]
     return Stack(pattern, base_url, processes, metrics_ports,
                  {f"shim-{role}": port for role, port in zip(roles, shim_ports, strict=True)})
+
+
+def _router_config(group: ServiceGroup, pattern: str, options: StackOptions, engines: list[str],
+                   metrics_port: int) -> Path:
+    """The file of an embedded router's settings (`options.router_args` are not taken: they
+    are router CLI flags)."""
+    if options.router_args:
+        raise ValueError("router_args are flags of a router process; not with embed_router")
+    path = group.log_dir / f"{pattern}-router.json"
+    path.write_text(json.dumps({"engines": engines, "pattern": pattern, "model": options.model,
+                                "metrics_port": metrics_port}))
+    return path

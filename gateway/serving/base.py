@@ -20,7 +20,7 @@ from gateway.admission import AdmissionLimit
 from gateway.errors import GatewayError, from_rpc_error
 from gateway.metrics import GatewayMetrics
 from gateway.protocol.base import SamplingFields, Usage, dump
-from gateway.router_client import GenerateStream, RouterClient
+from gateway.router_client import RouterLink, RouterStream
 from gateway.serving.disconnect import (
     ClientDisconnected,
     FinalChunk,
@@ -45,7 +45,7 @@ CLIENT_CLOSED_STATUS = 499
 
 @dataclass(frozen=True)
 class ServingContext:
-    router: RouterClient
+    router: RouterLink
     metrics: GatewayMetrics
     admission: AdmissionLimit
     served_model_name: str
@@ -159,7 +159,7 @@ class GenerationServing(ABC, Generic[RequestT]):
 
     async def _start_stream(self, request: RequestT, response_id: str, events: RouterEvents,
                             cleanup: Once, http_request: Request,
-                            stream: GenerateStream) -> Response:
+                            stream: RouterStream) -> Response:
         """Waits for the first router event so that early errors keep their HTTP status."""
         try:
             first = await run_until_disconnect(http_request, anext(events))
@@ -170,7 +170,7 @@ class GenerationServing(ABC, Generic[RequestT]):
         return RelayResponse(self._sse(chunks, stream), on_close=cleanup,
                              media_type="text/event-stream")
 
-    async def _sse(self, chunks: AsyncIterator[bytes], stream: GenerateStream) -> AsyncIterator[bytes]:
+    async def _sse(self, chunks: AsyncIterator[bytes], stream: RouterStream) -> AsyncIterator[bytes]:
         """Each chunk as it is made, until the router stream has finished: what is left then
         (the last events, the usage chunk, an error) comes without waiting and goes out with
         `[DONE]` and the body's end, in one write."""

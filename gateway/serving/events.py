@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 from gateway.errors import from_code_number
 from gateway.metrics import GatewayMetrics
-from gateway.router_client import GenerateStream
+from gateway.router_client import RouterStream
 from gateway.router_requests import finish_reason_text
 from microserving.v1 import common_pb2, router_pb2
 
@@ -161,7 +161,7 @@ class RelayState:
         return events
 
 
-async def relay(stream: GenerateStream, requests: Sequence[router_pb2.NewRequest], n: int,
+async def relay(stream: RouterStream, requests: Sequence[router_pb2.NewRequest], n: int,
                 metrics: GatewayMetrics, started_s: float) -> AsyncIterator[list[Event] | UsageTotals]:
     """Starts `requests` on `stream` and yields their events in batches (deltas merged per
     choice), then the usage totals last."""
