@@ -9,14 +9,18 @@ everything in reverse order (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 from microserving.pattern_names import PATTERN_NAMES
 from microserving.stack.health import is_grpc_serving, is_http_healthy
@@ -49,6 +53,10 @@ class StackPlan:
     shim_args: tuple[str, ...] = ()
     metrics_base_port: int | None = None  # routers' /metrics from here, then the shims'
     cpu_threads: int = 0  # torch threads of each embedded CPU engine; 0: the shim's default
+    # `microserving serve`: the router in the gateway's process(es), with these settings
+    # besides its engines (router_replicas is then 0: no router process).
+    router_in_gateway: bool = False
+    router_settings: dict[str, Any] = field(default_factory=dict)
 
     def metrics_port(self, service: str, index: int) -> int | None:
         """The /metrics port of router replica or shim `index` (the gateway serves its own
@@ -109,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--router-replicas", type=int,
                         help="router processes, the gateway spreading requests over them "
                              "(default: 1 per 8 CPUs, at most 4)")
+    parser.add_argument("--router-in-gateway", action="store_true",
+                        help="run the router inside the gateway's process(es) (`microserving "
+                             "serve`): no router process, no router port")
     parser.add_argument("--shim-arg", action="append", default=[],
                         help="extra argument for every shim, e.g. --shim-arg=--backend=synthetic")
     parser.add_argument("--metrics-base-port", type=int,
@@ -153,10 +164,15 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     if args.max_inflight is not None:
         gateway_args += ["--max-inflight", str(args.max_inflight)]
     router_extra: tuple[str, ...] = ()
+    router_settings: dict[str, Any] = {}
     if args.router_max_inflight is not None:
         router_extra = ("--max-inflight", str(args.router_max_inflight))
+        router_settings["max_inflight"] = args.router_max_inflight
     if args.router_class is not None:
         router_extra += ("--router-class", args.router_class)
+        router_settings["router_class"] = args.router_class
+    if args.pd_balance_factor is not None:
+        router_settings["pd_balance_factor"] = args.pd_balance_factor
     shim_extra: tuple[str, ...] = ()
     if args.enable_prefix_cache is not None:
         shim_extra = ("--enable-prefix-cache", args.enable_prefix_cache)
@@ -171,6 +187,11 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     router_replicas = auto_replicas if args.router_replicas is None else args.router_replicas
     if gateway_workers < 1 or router_replicas < 1:
         parser.error("--gateway-workers and --router-replicas must be at least 1")
+    if args.router_in_gateway:
+        if args.router_replicas is not None:
+            parser.error("--router-in-gateway runs a router in each gateway worker: "
+                         "no --router-replicas")
+        router_replicas = 0
     if gateway_workers > 1:
         gateway_args += ["--workers", str(gateway_workers)]
     shim_args = tuple(args.shim_arg) + shim_extra
@@ -181,7 +202,7 @@ def plan_from_args(argv: list[str]) -> StackPlan:
                      args.port, args.router_port, tuple(gateway_args), args.startup_timeout_s,
                      args.grace_s, transport, router_extra, tuple(args.api_key),
                      gateway_workers, router_replicas, shim_args, args.metrics_base_port,
-                     cpu_threads)
+                     cpu_threads, args.router_in_gateway, router_settings)
 
 
 def _command(subcommand: str, *args: str) -> list[str]:
@@ -228,6 +249,18 @@ def gateway_command(plan: StackPlan, router_address: str) -> list[str]:
                     "--port", str(plan.port), *plan.gateway_args)
 
 
+def serve_command(plan: StackPlan, router_config: Path) -> list[str]:
+    return _command("serve", "--router-config", str(router_config), "--host", plan.host,
+                    "--port", str(plan.port), *plan.gateway_args)
+
+
+def router_config(plan: StackPlan, engines: list[tuple[str, str]]) -> dict[str, Any]:
+    """The settings file of the router `microserving serve` runs (what `router_command` gives
+    a router process as flags; its TLS and token come from the environment, as there)."""
+    return {"engines": [f"{address}={role}" for address, role in engines],
+            "pattern": plan.pattern, "model": plan.model, **plan.router_settings}
+
+
 class StartupFailed(Exception):
     pass
 
@@ -236,7 +269,7 @@ def check_ports_free(plan: StackPlan) -> None:
     """Fails at once on a taken gateway or router port, not after the engines have loaded."""
     for flag, host, port in (("--port", plan.host, plan.port),
                              ("--router-port", INTERNAL_HOST, plan.router_port)):
-        if port == 0:
+        if port == 0 or (flag == "--router-port" and plan.router_in_gateway):
             continue
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         with socket.socket(family, socket.SOCK_STREAM) as sock:
@@ -255,15 +288,17 @@ class Stack:
         self.children: list[ServiceProcess] = []
         self.stopping = threading.Event()
         self.exited: ServiceProcess | None = None
+        self.files: list[Path] = []  # written for the children; removed at stop
 
     def _on_exit(self, child: ServiceProcess) -> None:
         if not self.stopping.is_set():
             self.exited = child
             self.stopping.set()
 
-    def spawn(self, name: str, argv: list[str], env_prefix: str) -> ServiceProcess:
+    def spawn(self, name: str, argv: list[str], env_prefix: str,
+              api_keys: bool = False) -> ServiceProcess:
         env = transport_env(env_prefix, self.plan.transport)
-        if env_prefix == "GATEWAY" and self.plan.api_keys:
+        if (env_prefix == "GATEWAY" or api_keys) and self.plan.api_keys:
             env["MICROSERVING_GATEWAY_API_KEYS"] = ",".join(self.plan.api_keys)
         child = ServiceProcess(name, argv, env=env, on_line=_relay_as(name), on_exit=self._on_exit,
                                dies_with_parent=True)
@@ -309,6 +344,14 @@ class Stack:
 
         engines = [(self.wait_ready(s, is_serving, deadline_s), r)
                    for s, r in zip(shims, plan.roles, strict=True)]
+        if plan.router_in_gateway:
+            # A router of its own in each gateway worker; its transport (the engines' TLS and
+            # token) from the ROUTER environment, as a router process gets it.
+            config = self._write_router_config(router_config(plan, engines))
+            gateway = self.spawn("gateway", serve_command(plan, config), "ROUTER", api_keys=True)
+            address = self.wait_ready(gateway, lambda a: is_http_healthy(f"http://{a}/health"),
+                                      deadline_s)
+            return f"http://{address}/v1"
         # The first replica on --router-port, any others on free ports.
         routers = [self.spawn("router" if i == 0 else f"router-{i}",
                               router_command(plan, engines, None if i == 0 else 0, i), "ROUTER")
@@ -319,10 +362,19 @@ class Stack:
                                   deadline_s)
         return f"http://{address}/v1"
 
+    def _write_router_config(self, settings: dict[str, Any]) -> Path:
+        handle, name = tempfile.mkstemp(prefix="microserving-up-router-", suffix=".json")
+        with os.fdopen(handle, "w") as out:
+            json.dump(settings, out)
+        self.files.append(Path(name))
+        return Path(name)
+
     def stop(self) -> None:
         self.stopping.set()
         for child in reversed(self.children):
             child.stop(self.plan.grace_s)
+        for path in self.files:
+            path.unlink(missing_ok=True)
 
 
 def _relay_as(name: str) -> Callable[[str], None]:
@@ -352,8 +404,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         url = stack.start()
         print(f"microserving up: ready at {url}", flush=True)
+        routers = ("a router in each gateway worker" if plan.router_in_gateway
+                   else f"{plan.router_replicas} router(s)")
         _say(f"pattern {plan.pattern}, engines {', '.join(plan.roles)}, "
-             f"{plan.router_replicas} router(s), {plan.gateway_workers} gateway worker(s); "
+             f"{routers}, {plan.gateway_workers} gateway worker(s); "
              "Ctrl-C stops everything")
         stack.stopping.wait()
         if not interrupted.is_set():

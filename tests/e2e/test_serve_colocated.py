@@ -196,3 +196,23 @@ def test_serve_refuses_a_router_address(tmp_path: Path) -> None:
                            str(tmp_path / "x.json"), "--router", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=120, env=clean_env(), cwd=REPO)
     assert done.returncode == 2 and "--router names a router process" in done.stderr
+
+
+def test_up_with_the_router_in_the_gateway(tmp_path: Path) -> None:
+    """`microserving up --router-in-gateway`: shims and one gateway process (serve), no router
+    process; it answers like any OpenAI server and stops cleanly."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from e2e_up import start_up
+
+    stack = start_up("--router-in-gateway", "--api-key", "k")
+    try:
+        assert sorted(stack.pids) == ["decode-1", "gateway", "prefill-0"]
+        assert "serve --router-config" in stack.log()
+        client = openai.OpenAI(base_url=stack.base_url, api_key="k", max_retries=0, timeout=120)
+        reply = client.completions.create(model="tiny", prompt="Hello", max_tokens=5,
+                                          temperature=0)
+        assert reply.usage is not None and reply.usage.completion_tokens > 0
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=stack.base_url, api_key="wrong", max_retries=0).models.list()
+    finally:
+        assert stack.stop() == 0

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 for path in sorted(glob.glob(f"{sys.argv[1]}/*.json")):
-    for row in json.load(open(path))["rows"]:
+    for row in json.loads(Path(path).read_text())["rows"]:
         cpu = row["cpu_ms_per_1k_tokens"]
         print(f"{Path(path).stem:8s} {row['pattern']:12s} streams={row['streams']:3d} "
               f"ratio={row['ratio']:.3f} tokens/chunk={row['tokens_per_chunk']:.2f} "
