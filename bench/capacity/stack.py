@@ -100,13 +100,14 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
     workers = [] if options.gateway_workers == 1 else ["--workers", str(options.gateway_workers)]
     if options.embed_router:
         router_names: list[str] = []
-        metrics_ports = free_ports(1)
-        config = _router_config(group, pattern, options, engines, metrics_ports[0])
+        config = _router_config(group, pattern, options, engines)
         gateway = group.start(f"{pattern}-gateway", [
             "serve", "--router-config", str(config), "--host", "127.0.0.1",
             "--port", "0", "--log-level", "warning", *workers,
         ])
         routers = []
+        # The router's metrics are on the gateway's /metrics (every worker's summed).
+        metrics_ports = [int(gateway.address.rsplit(":", 1)[1])]
     else:
         router_names = (["router"] if options.router_replicas == 1
                         else [f"router-{i}" for i in range(options.router_replicas)])
@@ -134,13 +135,12 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
                  {f"shim-{role}": port for role, port in zip(roles, shim_ports, strict=True)})
 
 
-def _router_config(group: ServiceGroup, pattern: str, options: StackOptions, engines: list[str],
-                   metrics_port: int) -> Path:
-    """The file of an embedded router's settings (`options.router_args` are not taken: they
-    are router CLI flags)."""
+def _router_config(group: ServiceGroup, pattern: str, options: StackOptions,
+                   engines: list[str]) -> Path:
+    """The settings file of the router `microserving serve` runs (`options.router_args` are
+    not taken: they are router CLI flags)."""
     if options.router_args:
         raise ValueError("router_args are flags of a router process; not with embed_router")
     path = group.log_dir / f"{pattern}-router.json"
-    path.write_text(json.dumps({"engines": engines, "pattern": pattern, "model": options.model,
-                                "metrics_port": metrics_port}))
+    path.write_text(json.dumps({"engines": engines, "pattern": pattern, "model": options.model}))
     return path
