@@ -1,5 +1,5 @@
 """`microserving bench capacity --toy` end to end: real gateway, router and synthetic shims for
-both patterns; every row is present with every token counted, a ratio that the schedule
+both patterns (the router a process of its own, or in the gateway's: `microserving serve`); every row is present with every token counted, a ratio that the schedule
 bounds, and CPU figures for each control-plane process."""
 
 from __future__ import annotations
@@ -19,9 +19,13 @@ TOY_REQUESTS, TOY_OUTPUT_LEN, TOY_STREAMS = 8, 16, (1, 4)
 pytestmark = pytest.mark.e2e
 
 
-def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
+@pytest.mark.parametrize("topology", [[], ["--embed-router"]], ids=["split", "serve"])
+def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str]) -> None:
+    """Split: gateway and router processes; serve: the router in the gateway's process, its
+    metrics read from the gateway's /metrics."""
     done = subprocess.run(
-        [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path)],
+        [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path),
+         *topology],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
         timeout=240,
     )
@@ -43,7 +47,7 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path) -> None:
         assert 1 <= row["tokens_per_chunk"] <= TOY_OUTPUT_LEN
         shims = {"round-robin": {"shim-both"}, "disagg": {"shim-prefill", "shim-decode"}}[pattern]
         cpu = row["cpu_ms_per_1k_tokens"]
-        assert set(cpu) == {"gateway", "router", "total", *shims}
+        assert set(cpu) == {"gateway", "total", *shims} | ({"router"} if not topology else set())
         assert set(row["engine_thread_ms_per_1k_tokens"]) == shims
         # Each shim's /metrics was read at the window's edges (the synthetic engine keeps no
         # step counters: none are reported, and none invented).
