@@ -55,7 +55,7 @@ def _map_errors(
 class RequestHost:
     """Runs one router request into an Outbox: the router's own limit on requests in flight,
     its trace span, tokenization off the event loop, then the RequestRunner. Shared by the
-    gRPC service and a router embedded in the gateway's process (gateway/embedded_router.py)."""
+    gRPC service and a router run in its caller's process (router/inprocess.py)."""
 
     def __init__(self, router: Router) -> None:
         self.router = router
@@ -96,9 +96,9 @@ def list_models(router: Router) -> router_pb2.ListModelsResponse:
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, router: Router, host: RequestHost | None = None) -> None:
+    def __init__(self, router: Router) -> None:
         self._router = router
-        self._host = host or RequestHost(router)
+        self._host = RequestHost(router)
 
     async def Generate(
         self, request_iterator: AsyncIterator[router_pb2.GenerateRequest], context: aio.ServicerContext
