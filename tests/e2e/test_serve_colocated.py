@@ -66,14 +66,16 @@ def _client(service: Service) -> openai.OpenAI:
                          max_retries=0, timeout=120)
 
 
-def _wait_serving(service: Service) -> None:
-    # The router's first health checks of its engines come just after it starts.
+def _wait_serving(service: Service, within_s: float = 60.0) -> None:
+    # The router's first health checks of its engines come just after it starts (generous:
+    # a loaded machine runs them late, and only a stack that never gets healthy is a fault).
+    deadline = time.monotonic() + within_s
     with httpx.Client(base_url=f"http://{service.address}", timeout=10) as http:
-        for _ in range(200):
+        while time.monotonic() < deadline:
             if http.get("/health").status_code == 200:
                 return
             time.sleep(0.05)
-    raise AssertionError(f"{service.name} never became healthy")
+    raise AssertionError(f"{service.name} not healthy within {within_s} s")
 
 
 def test_serve_answers_as_the_split_stack_token_for_token(stacks: dict[str, Service]) -> None:
