@@ -6,7 +6,9 @@ not a CPU-bound tiny model), per stream count and round:
   direct  an HTTP client streaming /v1/completions from the engine (what MLC users get; disagg:
           the client makes MLC's own router calls, prep_recv -> remote_send -> start_generate)
   relay   the same closed-loop workload as Router.GenerateBatched requests (the gateway's
-          RouterClient) -> router -> shim --backend mlc -> the same engine(s)
+          RouterClient) -> router -> shim --backend mlc -> the same engine(s); with
+          --in-process-router the router runs in this process (`microserving serve`'s
+          topology), its CPU in the client's column
 
 It writes DIR/mlc_relay.json and prints a table: tok/s of each and relay/direct, TTFT p50 of
 each and the relay's added first-token time in raw round trips (an HTTP GET to the engine, a
@@ -33,7 +35,13 @@ from bench.capacity.nominal import nominal
 from bench.capacity.profiling import start_profiles
 from bench.capacity.report import fold_rounds
 from bench.loadgen.results import machine_info
-from bench.mlc_relay_load import direct_load, mlc_body, relay_load, round_trips
+from bench.mlc_relay_load import (
+    direct_load,
+    in_process_relay_load,
+    mlc_body,
+    relay_load,
+    round_trips,
+)
 from bench.mlc_relay_report import compare_rows, table
 from bench.mlc_relay_stack import ROLES, RelayStack, start_relay_stack
 from bench.procs import service_group
@@ -65,6 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step-ms", default=DEFAULT_STEP_MS,
                    help="synthetic decode step ms by batch (default: llama-1b on one H200)")
     p.add_argument("--prefill-tok-s", type=float, default=DEFAULT_PREFILL_TOK_S)
+    p.add_argument("--in-process-router", action="store_true",
+                   help="the relay's router in the benchmark's own process (router/inprocess.py, "
+                        "as `microserving serve` runs it): its CPU counts in the client's")
     p.add_argument("--shim-arg", action="append", default=[],
                    help="extra argument for every shim, e.g. --shim-arg=--log-level=INFO")
     p.add_argument("--profile-s", type=float, default=0.0,
@@ -90,7 +101,8 @@ async def _measure_pattern(args: argparse.Namespace, stack: RelayStack, base: Lo
                            profile: StepProfile) -> list[dict[str, Any]]:
     sides: dict[str, tuple[Any, Load]] = {
         "direct": (stack.direct_view(), direct_load(stack.disagg)),
-        "relay": (stack.relay_view(), relay_load(stack.router_address)),
+        "relay": (stack.relay_view(), in_process_relay_load(stack.engine_addresses, stack.pattern)
+                  if args.in_process_router else relay_load(stack.router_address)),
     }
     cells: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for round_index in range(args.rounds):

@@ -5,7 +5,9 @@
   /v1/completions from the one engine; disagg makes MLC's own router calls itself
   (prep_recv on the decode engine, remote_send on the prefill engine, start_generate).
 * relay: the same workload as Router.GenerateBatched requests through gateway/router_client.py's
-  RouterClient (the gateway's own shared-stream client) -> router -> `shim --backend mlc`.
+  RouterClient (the gateway's own shared-stream client) -> router -> `shim --backend mlc`;
+  or, `--in-process-router`, through a router run in the benchmark's own process
+  (router/inprocess.py, what `microserving serve` runs in the gateway's) -> the same shims.
 
 And the raw round trips the added first-token time is counted in: a tiny HTTP GET to the engine
 on a kept-alive connection, and a unary gRPC health check to the router on an open channel."""
@@ -31,9 +33,12 @@ from bench.capacity.client import (
     drive,
     stream_completion,
 )
-from gateway.router_client import RouterClient
+from gateway.router_client import RouterClient, RouterLink
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, router_pb2
+from router.inprocess import InProcessRouter
+from router.router import Router
+from router.settings import RouterSettings
 
 _ids = itertools.count()
 _ROUND_TRIPS = 200  # samples per raw round trip (after 20 not counted)
@@ -101,9 +106,25 @@ async def _mlc_pd(
 
 def relay_load(router_address: str) -> Callable[..., Any]:
     """The router path, through the gateway's RouterClient (shared GenerateBatched calls)."""
+    return _relay(lambda: RouterClient(router_address, TransportSettings()))
 
+
+def in_process_relay_load(engines: list[str], pattern: str) -> Callable[..., Any]:
+    """The router path with the router in this process (`microserving serve`'s topology): a
+    Router over the same shims, started for each cell."""
+
+    def router() -> RouterLink:
+        settings = RouterSettings.model_validate(
+            {"engines": engines, "pattern": pattern, "model": "tiny"})
+        return InProcessRouter(Router(settings=settings))
+
+    return _relay(router)
+
+
+def _relay(make_client: Callable[[], RouterLink]) -> Callable[..., Any]:
     async def load(spec: LoadSpec, at_edge: Callable[[str], None]) -> LoadResult:
-        client = RouterClient(router_address, TransportSettings())
+        client = make_client()
+        await client.start()
         try:
             async def send(ids: list[int], record: StreamRecord, window: Window, origin_s: float) -> None:
                 try:
@@ -119,7 +140,7 @@ def relay_load(router_address: str) -> Callable[..., Any]:
 
 
 async def _via_router(
-    client: RouterClient, spec: LoadSpec, ids: list[int], window: Window, origin_s: float,
+    client: RouterLink, spec: LoadSpec, ids: list[int], window: Window, origin_s: float,
     record: StreamRecord,
 ) -> None:
     request = router_pb2.NewRequest(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import cast
 
 from bench.capacity.stack import Stack, StackProcess, engine_tid
 from bench.control_plane_run import wait_grpc_serving, wait_http_ready
@@ -31,6 +32,12 @@ class RelayStack:
     @property
     def router_address(self) -> str:
         return self.router.service.address
+
+    @property
+    def engine_addresses(self) -> list[str]:
+        """The shims as a router's `engines` setting: HOST:PORT=ROLE."""
+        return [f"{shim.service.address}={role}"
+                for shim, role in zip(self.shims, ROLES[cast(PatternName, self.pattern)], strict=True)]
 
     @property
     def engine_url(self) -> str:

@@ -89,6 +89,11 @@ class RouterStream(Protocol):
 
     def close(self) -> None: ...
 
+    async def __aenter__(self) -> RouterStream: ...
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None: ...
+
 
 class RouterLink(Protocol):
     """What the gateway asks of its router: `RouterClient` over gRPC, or a router run in the
