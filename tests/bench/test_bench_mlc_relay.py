@@ -19,9 +19,13 @@ TOY_REQUESTS, TOY_OUTPUT_LEN, TOY_STREAMS = 8, 16, (1, 4)
 pytestmark = pytest.mark.e2e
 
 
-def test_mlc_relay_toy_run_compares_both_sides(tmp_path: Path) -> None:
+@pytest.mark.parametrize("router", [[], ["--in-process-router"]], ids=["process", "in-process"])
+def test_mlc_relay_toy_run_compares_both_sides(tmp_path: Path, router: list[str]) -> None:
+    """The relay's router as a process of its own, or in the benchmark's process
+    (router/inprocess.py, as `microserving serve` runs it)."""
     done = subprocess.run(
-        [sys.executable, "-m", "microserving.cli", "bench", "mlc-relay", "--toy", "--out", str(tmp_path)],
+        [sys.executable, "-m", "microserving.cli", "bench", "mlc-relay", "--toy", "--out", str(tmp_path),
+         *router],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
         timeout=300,
     )
