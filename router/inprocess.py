@@ -24,12 +24,12 @@ from types import TracebackType
 import grpc
 from grpc import aio
 
-from microserving.metrics import MetricsServer, serve_metrics
+from microserving.metrics import MetricsServer
 from microserving.v1 import router_pb2
 from router.errors import RouterError
 from router.outbox import Outbox
 from router.router import Router
-from router.server import needed_roles
+from router.server import can_serve, serve_router_metrics
 from router.servicer import RequestHost, list_models, put_error
 
 logger = logging.getLogger(__name__)
@@ -105,12 +105,6 @@ class InProcessStream:
         """Every started request has sent `done` or `error` (or the stream was closed)."""
         return self._started and not self._pending
 
-    async def events(self) -> AsyncIterator[router_pb2.GenerateResponse]:
-        """`batches`, one event at a time."""
-        async for batch in self.batches():
-            for event in batch:
-                yield event
-
     def close(self) -> None:
         """Cancels the unfinished requests (the router aborts their engines' work, as for a
         `cancel` on the router stream) and ends `batches`."""
@@ -141,20 +135,11 @@ class InProcessRouter:
         self._host = RequestHost(router)
         self._metrics: MetricsServer | None = None
 
-    @property
-    def num_inflight(self) -> int:
-        return self._host.num_inflight
-
     async def start(self) -> None:
         """Starts the router (engine health checks, engine streams) and, when its settings
         give a `metrics_port`, its Prometheus /metrics there, as a router process does."""
         await self.router.start()
-        settings = self.router.settings
-        if settings.metrics_port is not None:
-            self._metrics = serve_metrics(self.router.metrics.registry, settings.host,
-                                          settings.metrics_port)
-            print(f"microserving router metrics on http://{settings.host}:{self._metrics.port}"
-                  "/metrics", flush=True)
+        self._metrics = serve_router_metrics(self.router, self.router.settings.host)
 
     def open_stream(self) -> InProcessStream:
         return InProcessStream(self._host)
@@ -167,8 +152,7 @@ class InProcessRouter:
         """What the router's grpc.health.v1 says: a healthy engine of every role its
         pattern needs."""
         del timeout_s
-        router = self.router
-        return all(router.registry.has_available(role) for role in needed_roles(router.router_mode))
+        return can_serve(self.router)
 
     async def close(self) -> None:
         await self.router.stop()

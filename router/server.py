@@ -13,7 +13,7 @@ from grpc import aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from microserving.gc_tuning import freeze_startup_heap
-from microserving.metrics import serve_metrics
+from microserving.metrics import MetricsServer, serve_metrics
 from microserving.reflection import enable_server_reflection
 from microserving.transport import add_port, create_server
 from microserving.v1 import router_pb2, router_pb2_grpc
@@ -29,6 +29,22 @@ ROUTER_SERVICE = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
 def needed_roles(pattern: str) -> tuple[int, ...]:
     """Roles that must each have a healthy engine for the pattern to serve."""
     return (PREFILL, DECODE) if pattern == "disagg" else (DECODE,)
+
+
+def can_serve(router: Router) -> bool:
+    """A healthy engine of every role the router's pattern needs (its grpc.health.v1)."""
+    return all(router.registry.has_available(role) for role in needed_roles(router.router_mode))
+
+
+def serve_router_metrics(router: Router, host: str) -> MetricsServer | None:
+    """The router's Prometheus /metrics on host:`metrics_port` when its settings give one
+    (0 picks a port), announced on stdout."""
+    port = router.settings.metrics_port
+    if port is None:
+        return None
+    metrics = serve_metrics(router.metrics.registry, host, port)
+    print(f"microserving router metrics on http://{host}:{metrics.port}/metrics", flush=True)
+    return metrics
 
 
 @dataclass
@@ -57,8 +73,7 @@ async def start_router(router: Router, host: str, port: int) -> RunningRouter:
 
     def publish_health(endpoint: Endpoint | None = None, previous: int = 0) -> None:
         del endpoint, previous
-        ok = all(router.registry.has_available(role) for role in needed_roles(router.router_mode))
-        status = health_pb2.HealthCheckResponse.SERVING if ok else health_pb2.HealthCheckResponse.NOT_SERVING
+        status = health_pb2.HealthCheckResponse.SERVING if can_serve(router) else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", ROUTER_SERVICE):
             loop.create_task(health_servicer.set(service, status))
 
@@ -73,10 +88,7 @@ async def serve_forever(router: Router, host: str, port: int) -> None:
     """Run until SIGINT/SIGTERM, printing the bound address once serving."""
     running = await start_router(router, host, port)
     freeze_startup_heap()
-    metrics_port = router.settings.metrics_port
-    metrics = None if metrics_port is None else serve_metrics(router.metrics.registry, host, metrics_port)
-    if metrics is not None:
-        print(f"microserving router metrics on http://{host}:{metrics.port}/metrics", flush=True)
+    metrics = serve_router_metrics(router, host)
     print(f"microserving router listening on {host}:{running.port}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
