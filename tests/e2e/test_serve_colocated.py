@@ -25,6 +25,7 @@ from stack_procs import (  # noqa: E402
     Service,
     clean_env,
     engine_status,
+    hang_up_mid_stream,
     launch,
     pages_at_baseline,
     start_gateway,
@@ -141,15 +142,7 @@ async def test_a_client_that_hangs_up_leaves_nothing_behind(stacks: dict[str, Se
     _wait_serving(stacks["serve"])
     shims = [stacks["prefill"].address, stacks["decode"].address]
     baseline = [(await engine_status(a)).num_free_kv_pages for a in shims]
-    body = {"prompt": "stream a while", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    async with (httpx.AsyncClient(base_url=f"http://{stacks['serve'].address}", timeout=60) as http,
-                http.stream("POST", "/v1/completions", json=body) as response):
-        assert response.status_code == 200
-        events = 0
-        async for line in response.aiter_lines():
-            events += line.startswith("data: ")
-            if events == 3:
-                break  # hang up mid-stream
+    await hang_up_mid_stream(stacks["serve"].address, "stream a while")
     seen = await pages_at_baseline(shims, baseline, within_s=FREED_WITHIN_S)
     assert seen == baseline
     assert (await engine_status(stacks["decode"].address)).num_reserved_requests == 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 
 from microserving.stack.process import ServiceProcess, free_port
@@ -143,6 +144,21 @@ async def pages_at_baseline(addresses: Sequence[str], baseline: Sequence[int], w
 
     await wait_until(at_baseline, timeout_s=within_s, interval_s=0.02)
     return seen
+
+
+async def hang_up_mid_stream(gateway_address: str, prompt: str, after_events: int = 3,
+                             max_tokens: int = 400) -> None:
+    """A streamed /v1/completions through the gateway at `gateway_address`, its connection
+    closed after `after_events` SSE events (the request still generating)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    async with (httpx.AsyncClient(base_url=f"http://{gateway_address}", timeout=60) as client,
+                client.stream("POST", "/v1/completions", json=body) as response):
+        assert response.status_code == 200
+        events = 0
+        async for line in response.aiter_lines():
+            events += line.startswith("data: ")
+            if events == after_events:
+                return  # hang up mid-stream
 
 
 @dataclass

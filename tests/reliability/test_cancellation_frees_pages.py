@@ -17,6 +17,7 @@ import pytest
 from stack_procs import (
     Service,
     engine_status,
+    hang_up_mid_stream,
     pages_at_baseline,
     router_status,
     start_gateway,
@@ -92,15 +93,7 @@ async def test_disconnect_before_the_first_token_frees_every_page(stack) -> None
 
 async def test_disconnect_mid_stream_frees_every_page(stack) -> None:
     baseline = await _free_pages(stack)
-    body = {"prompt": "stream a while", "max_tokens": 400, "ignore_eos": True, "stream": True}
-    async with (httpx.AsyncClient(base_url=f"http://{stack['gateway'].address}", timeout=30) as client,
-                client.stream("POST", "/v1/completions", json=body) as response):
-        assert response.status_code == 200
-        events = 0
-        async for line in response.aiter_lines():
-            events += line.startswith("data: ")
-            if events == 3:
-                break
+    await hang_up_mid_stream(stack["gateway"].address, "stream a while")
     closed_at = time.monotonic()
     await _assert_clean(stack, baseline, closed_at)
 
