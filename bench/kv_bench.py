@@ -83,6 +83,37 @@ async def _transfer(
     return int(sent.num_bytes_sent), elapsed
 
 
+# P's INFO line for a NIXL send (backend.py, WriteTimes): the phases of its time.
+_NIXL_SEND = re.compile(
+    r"RemoteSend warm-nixl-(\d+)-\d+: \d+ tokens, (\d+) bytes .*?\(hold ([\d.]+) "
+    r"\(accepted at [\d.]+\), claim ([\d.]+), transfer ([\d.]+), confirm ([\d.]+) ms\), path=nixl"
+)
+_PHASES = ("hold", "claim", "transfer", "confirm")
+
+
+def nixl_phases(text: str) -> dict[int, dict[str, float]]:
+    """Per window size (tokens), the timed NIXL sends' phases as P logged them: the median
+    of each (ms), and `write_gbps`, the bytes over the median transfer phase: the write
+    itself (descriptors, NIXL's post and completion), without the engine's hold, the claim
+    or the receiver's confirmation that the RemoteSend also waits for."""
+    sends: dict[int, list[tuple[int, list[float]]]] = {}
+    for match in _NIXL_SEND.finditer(text):
+        size, num_bytes = int(match.group(1)), int(match.group(2))
+        sends.setdefault(size, []).append((num_bytes, [float(g) for g in match.groups()[2:]]))
+    result: dict[int, dict[str, float]] = {}
+    for size, rows in sends.items():
+        medians = {
+            phase: statistics.median(times[i] for _, times in rows)
+            for i, phase in enumerate(_PHASES)
+        }
+        summary = {f"{phase}_ms": round(ms, 2) for phase, ms in medians.items()}
+        if medians["transfer"] > 0:
+            summary["write_gbps"] = round(rows[0][0] / (medians["transfer"] / 1e3) / 1e9, 1)
+        summary["sends"] = len(rows)
+        result[size] = summary
+    return result
+
+
 def _paths_logged(text: str, paths: tuple[str, ...]) -> dict[str, int]:
     """RemoteSends P logged per path (proof that no run fell back to another path)."""
     return {path: len(re.findall(rf"path={path}\b", text)) for path in paths}
@@ -115,9 +146,14 @@ async def run(
         num_sent: dict[str, int] = {path: 0 for path in counted}
         rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent)
         await asyncio.sleep(0.5)  # P's log reaches its file through a pipe and a thread
-        logged = _paths_logged(p.output(), counted)
+        log = p.output()
+        logged = _paths_logged(log, counted)
         if logged != num_sent:
             raise RuntimeError(f"P logged RemoteSends by path {logged}, expected {num_sent}")
+        phases = nixl_phases(log)
+        for row in rows:
+            if (split := phases.get(int(str(row["tokens"])))) is not None:
+                row["nixl_phases"] = split
         return rows
     finally:
         group.close()
