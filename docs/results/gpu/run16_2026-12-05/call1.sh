@@ -4,8 +4,7 @@
 # stack, round-robin and disagg 1P:1D, 1/32/64/128 streams). Then, if time is left, disagg at 1
 # and 128 streams with P logging each NIXL send's phases (run15's sends.sh).
 # Usage on the device: bash call1.sh "$OUT" (STREAMS="1 64 128" for fewer cells). Results are
-# packed after every step, so a call cut
-# off at its limit still returns what finished.
+# packed after every step, so a call cut off at its limit still returns what finished.
 O=$1; R=/tmp/run16; rm -rf $R; mkdir -p $R "$O"; t0=$(date +%s)
 pack() { (cd $R && find . -name "*.log" -path "*logs*" -size +2M -delete; tar czf $O/res.tgz .); }
 for topology in split serve; do
