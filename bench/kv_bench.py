@@ -5,7 +5,8 @@ straight into D's reserved slots through NIXL/UCX, after a WriteKV handshake), `
 goes through D's shared-memory stage, only windows over gRPC) and `grpc` (the KV bytes in
 PushKV messages over loopback TCP). The first RemoteSend includes P's prefill; the timed ones
 take the KV from P's prefix cache, so they measure the transfer. `nixl` is left out, with a
-note, where NIXL does not load.
+note, where NIXL does not load; where it runs, each row's `nixl_phases` splits its sends into
+the phases P logs (hold, claim, transfer, confirm) and rates the transfer phase alone.
 
     PYTHONPATH=. python bench/kv_bench.py --model llama-100m --tokens 1024 8176
 """
@@ -152,7 +153,8 @@ async def run(
             raise RuntimeError(f"P logged RemoteSends by path {logged}, expected {num_sent}")
         phases = nixl_phases(log)
         for row in rows:
-            if (split := phases.get(int(str(row["tokens"])))) is not None:
+            tokens = row["tokens"]
+            if isinstance(tokens, int) and (split := phases.get(tokens)) is not None:
                 row["nixl_phases"] = split
         return rows
     finally:
