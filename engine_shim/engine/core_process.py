@@ -220,6 +220,15 @@ def _end(process: BaseProcess) -> None:
 
 # ---- the child ----
 
+# Waits shorter than this go through select(), whose timeout has microseconds: poll() counts
+# whole milliseconds and rounds 0.5 ms up to 1 (1.13 ms measured against select's 0.60). The
+# loop's short waits are its polls of the side (a NIXL write's completion on the sender, its
+# notification on the receiver, _SIDE_POLL_S apart): at poll()'s 1 ms a warm 256-token NIXL
+# RemoteSend between two core processes took 7.5-8.1 ms on the 2-core VM, at select()'s
+# 0.5 ms 5.9-6.9 (bench/kv_bench.py, tiny, three runs each, alternating).
+_FINE_WAIT_S = 0.005
+
+
 class _PipeInbox:
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
@@ -227,9 +236,13 @@ class _PipeInbox:
         # which the loop makes every turn.
         self._poller = select.poll()
         self._poller.register(conn.fileno(), select.POLLIN)
+        self._fds = (conn.fileno(),)
 
     def get(self, timeout: float | None) -> Call | str:
-        if not self._poller.poll(0 if timeout is None else timeout * 1000):
+        if timeout is not None and 0 < timeout < _FINE_WAIT_S:
+            if not select.select(self._fds, (), (), timeout)[0]:
+                raise queue.Empty
+        elif not self._poller.poll(0 if timeout is None else timeout * 1000):
             raise queue.Empty
         try:
             item: Call | str = self._conn.recv()

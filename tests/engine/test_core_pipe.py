@@ -5,12 +5,15 @@ reader gets every batch whole and in order, however the bytes arrive."""
 from __future__ import annotations
 
 import multiprocessing
+import queue
 import select
+import threading
 import time
 
 import pytest
 
-from engine_shim.engine.core_process import _FrameReader, _Writer
+from engine_shim.engine.core_loop import STOP
+from engine_shim.engine.core_process import _FINE_WAIT_S, _FrameReader, _PipeInbox, _Writer
 
 pytestmark = pytest.mark.unit
 
@@ -55,3 +58,34 @@ def test_frames_arrive_whole_and_in_order_through_a_full_pipe() -> None:
     assert is_closed
     reader.close()
     shim_end.close()
+
+
+@pytest.mark.parametrize("timeout", [None, _FINE_WAIT_S / 10, _FINE_WAIT_S * 4])
+def test_the_inbox_waits_then_takes_what_comes_in_order(timeout: float | None) -> None:
+    """Every wait the loop makes (none, a short one through select, a long one through
+    poll): empty while nothing came, then each call in the order sent, woken by its arrival
+    (a sender that writes mid-wait), and STOP once the shim's end is closed."""
+    shim_end, core_end = multiprocessing.Pipe(duplex=True)
+    inbox = _PipeInbox(core_end)
+    try:
+        with pytest.raises(queue.Empty):
+            inbox.get(timeout)
+        for item in ("first", "second"):
+            shim_end.send(item)
+        assert [inbox.get(timeout), inbox.get(timeout)] == ["first", "second"]
+        if timeout is not None:
+            late = threading.Timer(timeout / 4, shim_end.send, args=("late",))
+            late.start()
+            got = None
+            deadline = time.monotonic() + 60
+            while got is None and time.monotonic() < deadline:  # a loaded machine may wait longer
+                try:
+                    got = inbox.get(timeout)
+                except queue.Empty:
+                    continue
+            late.join()
+            assert got == "late"
+        shim_end.close()
+        assert inbox.get(timeout if timeout is not None else 1.0) == STOP
+    finally:
+        core_end.close()
