@@ -7,6 +7,9 @@ PushKV messages over loopback TCP). The first RemoteSend includes P's prefill; t
 take the KV from P's prefix cache, so they measure the transfer. `nixl` is left out, with a
 note, where NIXL does not load; where it runs, each row's `nixl_phases` splits its sends into
 the phases P logs (hold, claim, transfer, confirm) and rates the transfer phase alone.
+`--receiver-load N` keeps D's engine stepping through the sends (N greedy generations on it,
+restarted as they end), as a decode engine is under serving load: a call that waits for D's
+engine then waits for its step.
 
     PYTHONPATH=. python bench/kv_bench.py --model llama-100m --tokens 1024 8176
 """
@@ -128,6 +131,7 @@ async def run(
     dtype: str = "auto",
     paths: tuple[str, ...] = ALL_PATHS,
     engine_process: str = "auto",
+    receiver_load: int = 0,
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
     # shared memory) between two Python processes. D has no prefix-cache hit: every run
@@ -145,7 +149,8 @@ async def run(
                                     "--kv-peers", d.address])
         counted = tuple(dict.fromkeys([*paths, "grpc"]))  # the cold runs go over gRPC
         num_sent: dict[str, int] = {path: 0 for path in counted}
-        rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent)
+        rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent,
+                              receiver_load)
         await asyncio.sleep(0.5)  # P's log reaches its file through a pipe and a thread
         log = p.output()
         logged = _paths_logged(log, counted)
@@ -169,6 +174,7 @@ async def _measure(
     token_counts: list[int],
     paths: tuple[str, ...],
     num_sent: dict[str, int],
+    receiver_load: int = 0,
 ) -> list[dict[str, object]]:
     """Rows per size; `num_sent` counts the RemoteSends made per path."""
     rows = []
@@ -177,48 +183,79 @@ async def _measure(
         create_channel(d_address, TransportSettings()) as dc,
     ):
         p_stub, d_stub = engine_pb2_grpc.EngineStub(pc), engine_pb2_grpc.EngineStub(dc)
-        for n in token_counts:
-            # n + 1 prompt tokens, end=-1: the window is n tokens, whole pages when n is a
-            # multiple of the page size, so after the cold run P's prefix cache holds all of
-            # it and a warm RemoteSend computes nothing (a partial last page would be
-            # recomputed every time and measured as transfer).
-            tokens = [(i * 7919) % 256 for i in range(n + 1)]
-            cold_bytes, cold_s = await _transfer(
-                p_stub, d_stub, f"cold-{n}", tokens, "grpc", num_sent
-            )
-            # Warm runs take the KV from P's prefix cache: the transfer alone. Two untimed
-            # ones per path first (gRPC's and malloc's buffers, the shm stages and their
-            # mappings reach their steady size), then the paths alternate run by run, so
-            # both see the same load: about 1 GiB moved per path and size, >= 5 runs each.
-            for i in range(2):
-                for path in paths:
-                    await _transfer(
-                        p_stub, d_stub, f"warmup-{path}-{n}-{i}", tokens, path, num_sent
-                    )
-            times: dict[str, list[float]] = {path: [] for path in paths}
-            num_bytes = 0
-            for i in range(max(5, (1 << 30) // max(1, cold_bytes))):
-                for path in paths:
-                    num_bytes, elapsed = await _transfer(
-                        p_stub, d_stub, f"warm-{path}-{n}-{i}", tokens, path, num_sent
-                    )
-                    times[path].append(elapsed)
-            row: dict[str, object] = {
-                "model": model,
-                "device": device,
-                "tokens": n,
-                "kv_mib": round(num_bytes / 2**20, 1),
-                "remote_send_with_prefill_s": round(cold_s, 3),
-            }
+        load = [asyncio.ensure_future(_keep_generating(d_stub, f"load-{i}"))
+                for i in range(receiver_load)]
+        try:
+            rows = await _measure_sizes(p_stub, d_stub, model, device, token_counts, paths,
+                                        num_sent)
+        finally:
+            for task in load:
+                task.cancel()
+            await asyncio.gather(*load, return_exceptions=True)
+        for row in rows:
+            row["receiver_load"] = receiver_load
+    return rows
+
+
+async def _keep_generating(d_stub, name: str) -> None:
+    """Greedy generations on D, one after another, until cancelled."""
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    for i in range(1 << 30):
+        request = engine_pb2.StartGenerateRequest(
+            request_id=f"{name}-{i}", token_ids=[(7 * j + i) % 256 for j in range(32)],
+            sampling=sampling,
+        )
+        async for _ in d_stub.StartGenerate(request):
+            pass
+
+
+async def _measure_sizes(
+    p_stub, d_stub, model: str, device: str, token_counts: list[int], paths: tuple[str, ...],
+    num_sent: dict[str, int],
+) -> list[dict[str, object]]:
+    rows = []
+    for n in token_counts:
+        # n + 1 prompt tokens, end=-1: the window is n tokens, whole pages when n is a
+        # multiple of the page size, so after the cold run P's prefix cache holds all of
+        # it and a warm RemoteSend computes nothing (a partial last page would be
+        # recomputed every time and measured as transfer).
+        tokens = [(i * 7919) % 256 for i in range(n + 1)]
+        cold_bytes, cold_s = await _transfer(
+            p_stub, d_stub, f"cold-{n}", tokens, "grpc", num_sent
+        )
+        # Warm runs take the KV from P's prefix cache: the transfer alone. Two untimed
+        # ones per path first (gRPC's and malloc's buffers, the shm stages and their
+        # mappings reach their steady size), then the paths alternate run by run, so
+        # both see the same load: about 1 GiB moved per path and size, >= 5 runs each.
+        for i in range(2):
             for path in paths:
-                median_s, best_s = statistics.median(times[path]), min(times[path])
-                row[f"{path}_runs"] = len(times[path])
-                row[f"{path}_transfer_s"] = round(median_s, 4)
-                row[f"{path}_gbps"] = round(num_bytes / median_s / 1e9, 2)
-                row[f"{path}_best_gbps"] = round(num_bytes / best_s / 1e9, 2)
-            row["memcpy_gbps"] = round(_memcpy_gbps(num_bytes), 2)
-            rows.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+                await _transfer(
+                    p_stub, d_stub, f"warmup-{path}-{n}-{i}", tokens, path, num_sent
+                )
+        times: dict[str, list[float]] = {path: [] for path in paths}
+        num_bytes = 0
+        for i in range(max(5, (1 << 30) // max(1, cold_bytes))):
+            for path in paths:
+                num_bytes, elapsed = await _transfer(
+                    p_stub, d_stub, f"warm-{path}-{n}-{i}", tokens, path, num_sent
+                )
+                times[path].append(elapsed)
+        row: dict[str, object] = {
+            "model": model,
+            "device": device,
+            "tokens": n,
+            "kv_mib": round(num_bytes / 2**20, 1),
+            "remote_send_with_prefill_s": round(cold_s, 3),
+        }
+        for path in paths:
+            median_s, best_s = statistics.median(times[path]), min(times[path])
+            row[f"{path}_runs"] = len(times[path])
+            row[f"{path}_transfer_s"] = round(median_s, 4)
+            row[f"{path}_gbps"] = round(num_bytes / median_s / 1e9, 2)
+            row[f"{path}_best_gbps"] = round(num_bytes / best_s / 1e9, 2)
+        row["memcpy_gbps"] = round(_memcpy_gbps(num_bytes), 2)
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)
     return rows
 
 
@@ -237,6 +274,8 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=ALL_PATHS, default=list(ALL_PATHS))
     parser.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
                         help="the shims' --engine-process")
+    parser.add_argument("--receiver-load", type=int, default=0,
+                        help="greedy generations kept running on D through the sends")
     args = parser.parse_args()
     paths = tuple(args.paths)
     if "nixl" in paths:
@@ -248,7 +287,7 @@ def main() -> None:
             paths = tuple(p for p in paths if p != "nixl")
     rows = asyncio.run(
         run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths,
-            args.engine_process)
+            args.engine_process, args.receiver_load)
     )
     print(
         json.dumps(

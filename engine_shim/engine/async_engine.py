@@ -285,9 +285,19 @@ class AsyncEngine:
         token_ids: Sequence[int],
         end: int,
         sampling: SamplingParams | None = None,
+        held: bool = False,
     ) -> PrepRecvResult:
-        result: PrepRecvResult = await self._call("prep_recv", request_id, list(token_ids), end, sampling)
+        """`held`: the reservation has no TTL in the engine; the caller ends it
+        (submit_expire_reservation) or consumes it."""
+        result: PrepRecvResult = await self._call(
+            "prep_recv", request_id, list(token_ids), end, sampling, held
+        )
         return result
+
+    def submit_expire_reservation(self, request_id: str) -> None:
+        """End a held reservation (prep_recv(held=True)) whose owner's TTL passed, not
+        waited for: it runs before any call submitted after it."""
+        self._submit_nowait("expire_reservation", request_id)
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self._call("import_kv", request_id, chunk)

@@ -42,6 +42,7 @@ OPS = frozenset({
     "prep_recv", "import_kv", "abort", "begin_kv_write", "finish_kv_write", "cancel_kv_write",
     "remote_send",
     "send_slots", "finish_remote_send", "hold_reservation", "start_generate", "export_windows",
+    "expire_reservation",
 })
 
 

@@ -117,9 +117,11 @@ class Disaggregation:
         return min(times, default=None)
 
     # ---- receiving: prep_recv, then KV imported or written, then start_generate ----
-    def reserve(self, request_id: str, ids: list[int], end: int, cache_salt: str) -> PrepRecvResult:
+    def reserve(
+        self, request_id: str, ids: list[int], end: int, cache_salt: str, held: bool = False
+    ) -> PrepRecvResult:
         """Pages for positions [0, end) of `ids` (validated): cached prefix pages shared, the
-        rest allocated to await KV."""
+        rest allocated to await KV. `held`: no TTL here; the caller ends it (expire)."""
         pages = self.block_manager.acquire_prefix(ids, end, cache_salt)
         matched = len(pages) * self.page_size
         missing = num_pages_for(end, self.page_size) - len(pages)
@@ -134,7 +136,7 @@ class Disaggregation:
             end=end,
             prefix_matched_length=matched,
             block_table=pages,
-            expires_at=time.monotonic() + self.config.reservation_ttl_s,
+            expires_at=math.inf if held else time.monotonic() + self.config.reservation_ttl_s,
             imported=bytearray(end - matched),
         )
         segments = slot_segments(slots_for_positions(pages, self.page_size, matched, end))

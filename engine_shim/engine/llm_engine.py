@@ -236,7 +236,11 @@ class LLMEngine:
         token_ids: SequenceT[int],
         end: int,
         sampling: SamplingParams | None = None,
+        held: bool = False,
     ) -> PrepRecvResult:
+        """Reserve pages for [0, end) of the prompt, to receive its KV. `held`: the
+        reservation does not expire by itself; its owner ends it with expire_reservation (the
+        shim, when it owns the TTL: a NIXL write's claim then needs no engine round trip)."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         e = validation.check_prep_recv_end(end, len(ids))
@@ -245,7 +249,17 @@ class LLMEngine:
         if self.is_active(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self._check_fits_pool(len(ids) + 1)
-        return self.disaggregation.reserve(request_id, ids, e, sampling.cache_salt if sampling else "")
+        return self.disaggregation.reserve(
+            request_id, ids, e, sampling.cache_salt if sampling else "", held
+        )
+
+    def expire_reservation(self, request_id: str) -> bool:
+        """The owner's TTL of a held reservation passed: free its pages (fenced, if a peer's
+        write may still land); False where none is left (consumed or aborted before)."""
+        if not self.disaggregation.release_reservation(request_id):
+            return False
+        logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)
+        return True
 
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         self.disaggregation.import_kv(request_id, chunk)

@@ -293,6 +293,34 @@ async def test_a_claim_under_a_confirmed_hold_goes_ahead_without_the_engine(proc
         assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
 
 
+async def test_a_claim_goes_ahead_without_the_engine_where_the_shim_owns_the_ttl(process_core_shims):
+    """A receiver that offers NIXL writes reserves with no TTL in its engine (its shim's is
+    the only one, and ends the engine's reservation when it passes): so a claim's `ready`
+    comes with no HoldKV at all while the engine core is stopped, and the write it begins
+    still reaches the engine before the abort that follows (pages fenced, then freed)."""
+    decode_shim = process_core_shims["decode"]
+    core_pid = _core_pid(decode_shim)
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        info = await _reserve(stub, "nixl-ttl-owned-claim", [t + 142 for t in PROMPT])
+        reserved = await free_pages(stub)
+        os.kill(core_pid, signal.SIGSTOP)
+        try:
+            call = _kv_stub(channel).WriteKV(
+                _write_request(info, "ttl-owned-writer", write_deadline_ms=3000)
+            )
+            event = await asyncio.wait_for(call.read(), timeout=5)
+        finally:
+            os.kill(core_pid, signal.SIGCONT)
+        assert event.WhichOneof("event") == "ready"
+        call.cancel()  # the sender vanished mid-write
+        status = await _no_reservations(stub)
+        assert status.num_reserved_requests == 0
+        assert status.num_free_kv_pages == reserved < baseline  # fenced: the write had begun
+        assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
+
+
 @pytest.fixture()
 def lone_receiver(tmp_path: Path) -> Iterator[ShimProcess]:
     shim = start_shim(tmp_path, "lone-d", "--role", "decode")

@@ -4,6 +4,7 @@ into engine_shim.engine goes through this file."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import ipaddress
 import logging
@@ -75,6 +76,10 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
     )
 
 
+# The longest interval between sweeps of expired reservations (a quarter of the TTL if less).
+_SWEEP_S = 1.0
+
+
 class EmbeddedBackend:
     def __init__(
         self,
@@ -94,7 +99,8 @@ class EmbeddedBackend:
         self._nixl: KVWritePlane | None = None  # the NIXL agent (here or in the core), made at start
         self._staging = StagingPool(settings.kv_shm_max_mb << 20) if self._host else None
         self._segments = SegmentMaps(self._host) if self._host else None
-        self._table = ReceiveTable(settings.reservation_ttl_s, self._staging)
+        self._table = ReceiveTable(settings.reservation_ttl_s, self._staging, self._expire)
+        self._sweeper: asyncio.Task[None] | None = None
         self._peers = PeerChannels(settings.transport())
         self.kv_peers = PeerAllowList(settings.kv_peers, settings.kv_peer_ttl_s)
         self._address = ""
@@ -136,10 +142,26 @@ class EmbeddedBackend:
             max_context_length=engine.max_context_length,
             kv_layout=engine.kv_layout,
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
+        if self._nixl is not None:
+            self._sweeper = asyncio.ensure_future(self._sweep_reservations())
         # stderr: stdout carries only the `listening on` line that launchers wait for.
         print(ENGINE_THREAD_LINE.format(tid=engine.engine_tid), file=sys.stderr, flush=True)
 
+    async def _sweep_reservations(self) -> None:
+        """Where NIXL writes may come, the engine's reservations have no TTL of their own
+        (prep_recv): expired tickets end them from here, within this interval of their TTL."""
+        interval_s = min(_SWEEP_S, self._table.ttl_s / 4)
+        while True:
+            await asyncio.sleep(interval_s)
+            self._table.close_expired()
+
+    def _expire(self, request_id: str) -> None:
+        if self._engine is not None:
+            self._engine.submit_expire_reservation(request_id)
+
     async def shutdown(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         try:
             await self._peers.close()
             if self._engine is not None:
@@ -166,14 +188,22 @@ class EmbeddedBackend:
     async def prep_recv(
         self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
     ) -> Reservation:
-        result = await self.engine.prep_recv(request_id, list(token_ids), end, sampling)
+        # Where a NIXL write may come, the ticket's TTL is the reservation's only one (the
+        # engine's has none): a claim then begins the write without the engine's round trip.
+        held = self._nixl is not None
+        result = await self.engine.prep_recv(request_id, list(token_ids), end, sampling, held)
         layout = self.engine.kv_layout
         num_kv_bytes = (result.end - result.prefix_matched_length) * bytes_per_token(layout)
-        # With a NIXL write offered, the stage serves only a sender without NIXL: unbacked.
-        ticket = self._table.open(
-            request_id, result.prefix_matched_length, result.end, num_kv_bytes,
-            stage_backed=self._nixl is None,
-        )
+        try:
+            # With a NIXL write offered, the stage serves only a sender without NIXL: unbacked.
+            ticket = self._table.open(
+                request_id, result.prefix_matched_length, result.end, num_kv_bytes,
+                stage_backed=self._nixl is None, engine_held=held,
+            )
+        except BaseException:
+            if held:  # nobody else would end it
+                self.engine.submit_expire_reservation(request_id)
+            raise
         addr = KVAddrInfo(
             address=self._address,
             request_id=request_id,

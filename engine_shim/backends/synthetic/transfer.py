@@ -84,7 +84,7 @@ class TransferOps:
     # ---- receiving ----
     def prep_recv(
         self, request_id: str, token_ids: SequenceT[int], end: int,
-        sampling: SamplingParams | None = None,
+        sampling: SamplingParams | None = None, held: bool = False,
     ) -> PrepRecvResult:
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
@@ -99,7 +99,8 @@ class TransferOps:
             raise ResourceExhaustedError(f"not enough free KV pages to receive {e} tokens")
         self._reservations[request_id] = SyntheticReservation(
             token_ids=ids[:e], end=e, pages=pages,
-            expires_at=time.monotonic() + self.config.reservation_ttl_s, imported=bytearray(e),
+            expires_at=math.inf if held else time.monotonic() + self.config.reservation_ttl_s,
+            imported=bytearray(e),
         )
         # No prefix cache: every position is received. One segment of made-up slots.
         return PrepRecvResult(request_id, e, 0, (1, 0, e) if e else (0,))
@@ -127,6 +128,14 @@ class TransferOps:
             )
         if not all(reservation.imported[:begin]):
             raise FailedPreconditionError(f"KV of positions [0, {begin}) has not been fully imported")
+
+    def expire_reservation(self, request_id: str) -> bool:
+        """As the real engine: a held reservation's owner ended it."""
+        reservation = self._reservations.pop(request_id, None)
+        if reservation is None:
+            return False
+        self.pages.release(reservation.pages)
+        return True
 
     def hold_reservation(self, request_id: str, is_held: bool) -> None:
         """As the real engine: no expiry while a push into it is open (disaggregation.py)."""

@@ -43,14 +43,16 @@ async def serve_hold(
     request: engine_pb2.HoldKVRequest, table: HoldTable, hold: HoldFn
 ) -> AsyncIterator[engine_pb2.HoldKVResponse]:
     """HoldKV's one event, `held`; then the hold lasts until the call ends (cancelled by the
-    sender, its deadline, or MAX_HOLD_S)."""
+    sender, its deadline, or MAX_HOLD_S). A reservation the engine holds with no TTL of its
+    own (the ticket's is the only one) is held here alone: no engine round trip."""
     request_id = request.request_id
     ticket = table.hold(request_id, request.reservation_token)
     is_engine_held = False
     try:
-        await hold(request_id, True)
-        ticket.num_engine_holds += 1
-        is_engine_held = True
+        if not ticket.engine_held:
+            await hold(request_id, True)
+            ticket.num_engine_holds += 1
+            is_engine_held = True
         yield engine_pb2.HoldKVResponse(held=engine_pb2.KVHeld())
         await asyncio.sleep(MAX_HOLD_S)
     finally:
@@ -58,7 +60,7 @@ async def serve_hold(
             ticket.num_engine_holds -= 1  # may end the engine's hold (a write's end did)
         # The engine's copy is let go only when no write fills the reservation now and no
         # other hold is open; a reservation consumed or aborted meanwhile has nothing to let go.
-        if table.let_go(request_id, ticket):
+        if table.let_go(request_id, ticket) and not ticket.engine_held:
             with contextlib.suppress(NotFoundError):
                 await hold(request_id, False)
 

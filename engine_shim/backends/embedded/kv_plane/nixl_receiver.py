@@ -71,11 +71,12 @@ async def receive_write(
         ):
             raise InvalidRequestError("the write offer quoted is not the one this reservation made")
         landed = plane.expect(request.sender_agent, tag, request.request_id)
-        if ticket.num_engine_holds:
-            # A confirmed hold keeps the engine's reservation from expiring, and anything
-            # that could end it (an abort, another claim) comes after this in the engine's
-            # order and sees the write begun (its pages fenced): so the sender can go ahead
-            # without the engine's round trip, which under load waits for a whole step.
+        if ticket.num_engine_holds or ticket.engine_held:
+            # The engine's reservation cannot expire (a confirmed hold, or it has no TTL of
+            # its own: the ticket's, live here, is the only one), and anything that could end
+            # it (an abort, another claim) comes after this in the engine's order and sees the
+            # write begun (its pages fenced): so the sender can go ahead without the engine's
+            # round trip, which under load waits for a whole step.
             sink.submit_begin_kv_write(request.request_id, write_ends_at)
         else:
             await sink.begin_kv_write(request.request_id, write_ends_at)
@@ -87,7 +88,7 @@ async def receive_write(
         if not landed.done() and abandoned.done():
             # The sender wrote nothing (AbandonKVWrite): no fence, the reservation stays.
             plane.forget(tag)
-            await sink.cancel_kv_write(request.request_id, ticket.num_holds > 0)
+            await sink.cancel_kv_write(request.request_id, ticket.num_holds > 0 or ticket.engine_held)
             table.unclaim(ticket)
             if on_hold is not None:
                 on_hold(request.request_id, False)

@@ -1,12 +1,18 @@
 """The reservations PrepRecv opened on the receiving side, by request id: each guarded by a
 random token, optionally with a shared-memory stage, alive while a push fills it or a NIXL
-sender holds it (hold.py), gone once its TTL passes otherwise."""
+sender holds it (hold.py), gone once its TTL passes otherwise.
+
+Where the engine's reservation has no TTL of its own (`engine_held`: made so where a NIXL
+write may come, prep_recv(held=True)), this table's TTL is the only one: a ticket that
+expires is reported (`on_expire`) so the engine frees its pages, and until then a NIXL claim
+may begin its write without asking the engine first (nixl_receiver.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_shim.backends.embedded.kv_plane.shm import StagingPool, StagingSegment
@@ -26,6 +32,9 @@ class Ticket:
     # of those, the ones whose hold the engine has confirmed: while any is, the engine's
     # reservation cannot expire, so a write may begin without waiting for the engine
     num_engine_holds: int = 0
+    # the engine's reservation has no TTL: this ticket's expiry ends it (on_expire), and
+    # until a write into it has finished the engine cannot free it by itself
+    engine_held: bool = False
     # a NIXL claim (WriteKV): its sender's agent, and set when that sender abandons it
     writer: str | None = None
     abandoned: asyncio.Future[None] | None = None
@@ -44,22 +53,31 @@ class ReceiveTable:
     their pages). Each may hold a leased shared-memory stage, given back to `staging` when
     the ticket closes: for reuse after a completed push, retired otherwise."""
 
-    def __init__(self, ttl_s: float, staging: StagingPool | None = None) -> None:
+    def __init__(self, ttl_s: float, staging: StagingPool | None = None,
+                 on_expire: Callable[[str], None] | None = None) -> None:
         self._ttl_s = ttl_s
         self._staging = staging
         self._tickets: dict[str, Ticket] = {}
+        # told (at once, in the same turn) of every engine-held ticket that expires
+        self.on_expire = on_expire
+
+    @property
+    def ttl_s(self) -> float:
+        return self._ttl_s
 
     def open(self, request_id: str, begin: int, end: int, num_kv_bytes: int = 0,
-             stage_backed: bool = True) -> Ticket:
+             stage_backed: bool = True, engine_held: bool = False) -> Ticket:
         """A new ticket; with a stage for `num_kv_bytes` when shared memory is on and the
         pool has room (`stage_backed` False: its pages are not allocated up front, for a
-        reservation that also offers a NIXL write)."""
-        self._close_expired()
+        reservation that also offers a NIXL write). `engine_held`: the engine's reservation
+        has no TTL; this ticket's ends it."""
+        self.close_expired()
         self.close(request_id)
         staging = None
         if self._staging is not None and num_kv_bytes > 0:
             staging = self._staging.lease(num_kv_bytes, stage_backed)
-        ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s, staging)
+        ticket = Ticket(secrets.token_hex(16), begin, end, time.monotonic() + self._ttl_s, staging,
+                        engine_held=engine_held)
         self._tickets[request_id] = ticket
         return ticket
 
@@ -109,7 +127,7 @@ class ReceiveTable:
     def _live(self, request_id: str, token: str) -> Ticket:
         ticket = self._tickets.get(request_id)
         if ticket is not None and ticket.is_expired(time.monotonic()):
-            self.close(request_id)
+            self._expire(request_id, ticket)
             ticket = None
         if ticket is None or not secrets.compare_digest(ticket.token, token):
             raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
@@ -122,6 +140,7 @@ class ReceiveTable:
         # the engine ended its hold with the write (finish_kv_write restarts its TTL): a
         # later claim waits for the engine again, even under a HoldKV still open
         ticket.num_engine_holds = 0
+        ticket.engine_held = False
         self._give_back(ticket, is_clean=True)
 
     def close(self, request_id: str) -> None:
@@ -133,11 +152,19 @@ class ReceiveTable:
         for request_id in list(self._tickets):
             self.close(request_id)
 
-    def _close_expired(self) -> None:
+    def close_expired(self) -> None:
+        """Close every expired ticket (those the engine holds reported to on_expire). Made at
+        every open and by the owner's sweep, so an engine-held reservation ends within a
+        sweep's interval of its TTL."""
         now = time.monotonic()
-        expired = [r for r, t in self._tickets.items() if t.is_expired(now)]
-        for request_id in expired:
-            self.close(request_id)
+        expired = [(r, t) for r, t in self._tickets.items() if t.is_expired(now)]
+        for request_id, ticket in expired:
+            self._expire(request_id, ticket)
+
+    def _expire(self, request_id: str, ticket: Ticket) -> None:
+        self.close(request_id)
+        if ticket.engine_held and self.on_expire is not None:
+            self.on_expire(request_id)
 
     def _give_back(self, ticket: Ticket, is_clean: bool) -> None:
         staging, ticket.staging = ticket.staging, None
