@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="embedded backend: cpu, cuda or cuda:N")
     p.add_argument("--shim-arg", action="append", default=[],
                    help="extra argument for every shim, e.g. --shim-arg=--stream-updates-per-s=0")
+    p.add_argument("--router-arg", action="append", default=[],
+                   help="extra argument for every router process, e.g. --router-arg=--log-level=INFO "
+                        "(the router's retries are logged at INFO)")
     p.add_argument("--profile-s", type=float, default=0.0,
                    help="py-spy every control-plane process this long during the first round "
                         "of the largest stream count (raw profiles in --out), and the engine "
@@ -108,6 +111,7 @@ def _stack_options(args: argparse.Namespace, max_streams: int) -> StackOptions:
     return StackOptions(step_ms=args.step_ms, prefill_tok_s=args.prefill_tok_s,
                         max_num_seqs=max(256, max_streams), gateway_workers=args.gateway_workers,
                         router_replicas=args.router_replicas, shim_args=tuple(args.shim_arg),
+                        router_args=tuple(args.router_arg),
                         embed_router=args.embed_router,
                         backend=args.backend, model=args.model, device=args.device,
                         startup_timeout_s=600.0 if args.backend != "synthetic" else 120.0)
