@@ -51,6 +51,11 @@ _SPIN_BYTES_PER_S = 200e9
 # receiver to fence the pages.
 NOT_STARTED = "NOTSTARTED"
 
+# A notification that comes before its write is expected here is kept this long for the
+# expect that the receiving shim has already sent (the longest write deadline a receiver
+# grants, nixl_receiver.MAX_WRITE_DEADLINE_MS), then dropped.
+_EARLY_KEEP_S = 120.0
+
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
 _WRITE, _CANCEL = "nixl_write", "nixl_cancel"
@@ -76,6 +81,11 @@ class NixlSide:
         self._agent = agent
         self._reason = reason
         self._expected: dict[bytes, tuple[str, str]] = {}  # tag -> (sender agent, request id)
+        # tag -> [(sender agent, when read)]: notifications read before their expect was. The
+        # receiving shim sends `ready` right after its expect (and the engine's
+        # begin_kv_write before it) without waiting for this loop to run them, and the loop
+        # may read the agent's notifications after a step before it reads those calls.
+        self._early: dict[bytes, list[tuple[str, float]]] = {}
         self._writes: dict[int, Any] = {}  # xfer id -> transfer handle
         # xfer id -> (offer, held send, remote slots, tag, deadline): waiting for the send
         self._parked: dict[int, tuple[NixlOffer, HeldSlots, np.ndarray, bytes, float]] = {}
@@ -83,7 +93,7 @@ class NixlSide:
 
     @property
     def is_busy(self) -> bool:
-        return bool(self._writes or self._ended or self._expected or self._parked)
+        return bool(self._writes or self._ended or self._expected or self._parked or self._early)
 
     def facts(self) -> tuple[NixlOffer | None, str]:
         return (None, self._reason) if self._agent is None else (self._agent.offer(), "")
@@ -97,6 +107,7 @@ class NixlSide:
             self._expected[tag] = (sender, request_id)
         elif op == _FORGET:
             self._expected.pop(args[0], None)
+            self._early.pop(args[0], None)
         elif op == _LOAD:
             return agent.load_peer(args[0])
         elif op == _DROP:
@@ -164,6 +175,8 @@ class NixlSide:
         if self._parked:
             self._post_parked()
         events, self._ended = self._ended, []
+        if self._early:
+            events += self._match_early()
         if self._expected:
             try:
                 notifications = agent.notifications()
@@ -174,7 +187,11 @@ class NixlSide:
                 self._expected.clear()
                 notifications = []
                 events.append(("failed", f"reading notifications: {error}"))
-            events += [self._landed(sender, tag) for sender, tag in notifications]
+            for sender, tag in notifications:
+                if tag in self._expected:
+                    events.append(self._landed(sender, tag))
+                else:  # its expect is still on its way (or it is not ours): kept, not passed on
+                    self._early.setdefault(tag, []).append((sender, time.monotonic()))
         for xfer_id, handle in list(self._writes.items()):
             try:
                 state, error_text = agent.state(handle), ""
@@ -186,13 +203,30 @@ class NixlSide:
                 events.append(("write", xfer_id, state, error_text))
         return events
 
+    def _match_early(self) -> list[Any]:
+        """Notifications kept until their expect came: landed now that it has (the engine's
+        begin_kv_write, sent before it, has run too); those kept too long are passed on as
+        unexpected (the shim logs and ignores them)."""
+        events: list[Any] = []
+        now = time.monotonic()
+        for tag, kept in list(self._early.items()):
+            if tag in self._expected:
+                del self._early[tag]
+                for sender, _ in kept:  # in the order read; the claimed agent's lands
+                    events.append(self._landed(sender, tag))
+            elif now - kept[0][1] > _EARLY_KEEP_S:
+                del self._early[tag]
+                events += [("notif", sender, tag, "no write of this agent was expected")
+                           for sender, _ in kept]
+        return events
+
     def _landed(self, sender: str, tag: bytes) -> tuple[str, str, bytes, str]:
         """A notification: an expected write from its claimed sender has landed, and is
         completed in the engine here, in the loop's turn that saw it. Any other is passed on
         untouched (the shim logs and ignores it)."""
         expected = self._expected.get(tag)
         if expected is None or expected[0] != sender:
-            return ("notif", sender, tag, "")
+            return ("notif", sender, tag, "not the claimed agent's write")
         del self._expected[tag]
         try:
             self._core.finish_kv_write(expected[1])

@@ -70,7 +70,6 @@ async def receive_write(
             ticket.write_digest, request.offer_digest
         ):
             raise InvalidRequestError("the write offer quoted is not the one this reservation made")
-        landed = plane.expect(request.sender_agent, tag, request.request_id)
         if ticket.num_engine_holds or ticket.engine_held:
             # The engine's reservation cannot expire (a confirmed hold, or it has no TTL of
             # its own: the ticket's, live here, is the only one), and anything that could end
@@ -80,6 +79,10 @@ async def receive_write(
             sink.submit_begin_kv_write(request.request_id, write_ends_at)
         else:
             await sink.begin_kv_write(request.request_id, write_ends_at)
+        # After the begin: an agent beside the engine core (CoreNixlPlane) then runs the
+        # expect after the engine's begin_kv_write, so a notification it matches always
+        # finds the write begun.
+        landed = plane.expect(request.sender_agent, tag, request.request_id)
         if on_hold is not None:
             on_hold(request.request_id, True)
         yield engine_pb2.WriteKVResponse(ready=engine_pb2.KVWriteReady())
