@@ -1,6 +1,8 @@
 # GPU call (2026-12-05, sixth session): run 17's call saw disagg at 128 streams on this tree at
 # 0.25 of the engine alone (38 PrepRecvs answered only after the router's 10 s deadline, the
-# request then retried; base tree 0.78). Disagg at 128 streams, one round, every router and
+# request then retried; base tree 0.78); 720ffc1 then fixed a race that the shim-owned TTL
+# made frequent (a notification read by D's core before the claim's expect was passed on as
+# complete). Disagg at 128 streams, one round, every router and
 # shim at INFO (the router logs each retry and its cause): this tree, 167b8b5 (before the
 # shim-owned TTL; git worktree add --detach .ab/sel 167b8b5, with this tree's
 # bench/capacity/cli.py for --router-arg; carry .ab/sel), this tree again.
