@@ -11,7 +11,7 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
@@ -159,6 +159,11 @@ class EmbeddedBackend:
         if self._engine is not None:
             self._engine.submit_expire_reservation(request_id)
 
+    def _expire_made(self, request_id: str, call: asyncio.Future[Any]) -> None:
+        """End the held reservation a cancelled PrepRecv's engine call made, if it made one."""
+        if not call.cancelled() and call.exception() is None:
+            self._expire(request_id)
+
     async def shutdown(self) -> None:
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -191,7 +196,15 @@ class EmbeddedBackend:
         # Where a NIXL write may come, the ticket's TTL is the reservation's only one (the
         # engine's has none): a claim then begins the write without the engine's round trip.
         held = self._nixl is not None
-        result = await self.engine.prep_recv(request_id, list(token_ids), end, sampling, held)
+        call = asyncio.ensure_future(
+            self.engine.prep_recv(request_id, list(token_ids), end, sampling, held)
+        )
+        try:
+            result = await asyncio.shield(call)
+        except asyncio.CancelledError:
+            if held:  # a reservation the engine still makes would be nobody's to end
+                call.add_done_callback(functools.partial(self._expire_made, request_id))
+            raise
         layout = self.engine.kv_layout
         num_kv_bytes = (result.end - result.prefix_matched_length) * bytes_per_token(layout)
         try:

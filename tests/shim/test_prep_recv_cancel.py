@@ -1,0 +1,66 @@
+"""Where NIXL writes may come, the shim reserves with no TTL in its engine (its ticket owns
+the TTL). A PrepRecv given up while its engine call is in flight has no ticket to end the
+reservation the engine then makes, so the shim ends it itself once the call completes; an
+engine call that fails (nothing reserved, or another request's reservation under the same id)
+ends nothing. The engine is a stand-in: what is tested is the shim's bookkeeping."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from engine_shim.backends.embedded.backend import EmbeddedBackend
+from engine_shim.engine.api import AlreadyExistsError, PrepRecvResult, SamplingParams
+from engine_shim.settings import ShimSettings
+
+pytestmark = pytest.mark.unit
+
+
+class _Engine:
+    def __init__(self) -> None:
+        self.called = asyncio.Event()
+        self.answer: asyncio.Future[PrepRecvResult] = asyncio.get_running_loop().create_future()
+        self.held: list[bool] = []
+        self.expired: list[str] = []
+
+    async def prep_recv(self, request_id: str, token_ids: list[int], end: int,
+                        sampling: Any, held: bool = False) -> PrepRecvResult:
+        self.held.append(held)
+        self.called.set()
+        return await self.answer
+
+    def submit_expire_reservation(self, request_id: str) -> None:
+        self.expired.append(request_id)
+
+
+async def _given_up(answer: PrepRecvResult | BaseException) -> _Engine:
+    backend = EmbeddedBackend(ShimSettings(port=0))
+    engine = _Engine()
+    backend._engine = engine  # type: ignore[assignment]
+    backend._nixl = object()  # type: ignore[assignment]  # NIXL writes may come
+    call = asyncio.ensure_future(backend.prep_recv("req", [1, 2, 3, 4], -1, SamplingParams()))
+    await engine.called.wait()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert engine.expired == []  # the engine has not answered yet
+    if isinstance(answer, BaseException):
+        engine.answer.set_exception(answer)
+    else:
+        engine.answer.set_result(answer)
+    for _ in range(3):
+        await asyncio.sleep(0)  # the shielded call ends, then its callback runs
+    assert engine.held == [True]
+    return engine
+
+
+def test_a_reservation_made_for_a_prep_recv_given_up_is_ended() -> None:
+    engine = asyncio.run(_given_up(PrepRecvResult("req", 3, 0, (1, 0, 3))))
+    assert engine.expired == ["req"]
+
+
+def test_nothing_is_ended_when_the_engine_reserved_nothing() -> None:
+    engine = asyncio.run(_given_up(AlreadyExistsError("request 'req' is already active")))
+    assert engine.expired == []
