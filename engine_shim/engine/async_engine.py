@@ -294,6 +294,10 @@ class AsyncEngine:
         )
         return result
 
+    def submit_hold_reservation(self, request_id: str, is_held: bool) -> None:
+        """hold_reservation, not waited for: it runs before any call submitted after it."""
+        self._submit_nowait("hold_reservation", request_id, is_held)
+
     def submit_expire_reservation(self, request_id: str) -> None:
         """End a held reservation (prep_recv(held=True)) whose owner's TTL passed, not
         waited for: it runs before any call submitted after it."""

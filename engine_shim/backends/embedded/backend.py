@@ -155,6 +155,14 @@ class EmbeddedBackend:
             await asyncio.sleep(interval_s)
             self._table.close_expired()
 
+    def _consume(self, request_id: str) -> None:
+        """The reservation is consumed from here on (start_generate takes it in the engine).
+        One with no TTL in the engine gets it back first, in the engine's order: should the
+        start fail there (a bad prompt or sampling), its TTL still reclaims the pages."""
+        ticket = self._table.close(request_id)
+        if ticket is not None and ticket.engine_held:
+            self.engine.submit_hold_reservation(request_id, False)
+
     def _expire(self, request_id: str) -> None:
         if self._engine is not None:
             self._engine.submit_expire_reservation(request_id)
@@ -328,7 +336,7 @@ class EmbeddedBackend:
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
     ) -> AsyncIterator[GenerateOutput]:
-        self._table.close(request_id)  # the reservation is consumed from here on
+        self._consume(request_id)
         outputs = self.engine.generate(request_id, list(token_ids), begin, sampling)
         try:
             async for output in outputs:
@@ -340,7 +348,7 @@ class EmbeddedBackend:
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None],
     ) -> None:
-        self._table.close(request_id)  # the reservation is consumed from here on
+        self._consume(request_id)
         await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:

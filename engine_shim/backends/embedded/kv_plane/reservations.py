@@ -143,10 +143,12 @@ class ReceiveTable:
         ticket.engine_held = False
         self._give_back(ticket, is_clean=True)
 
-    def close(self, request_id: str) -> None:
+    def close(self, request_id: str) -> Ticket | None:
+        """End the ticket (its stage given back); the ticket it was, if any."""
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None:
             self._give_back(ticket, is_clean=False)
+        return ticket
 
     def close_all(self) -> None:
         for request_id in list(self._tickets):
