@@ -227,6 +227,7 @@ def _end(process: BaseProcess) -> None:
 # RemoteSend between two core processes took 7.5-8.1 ms on the 2-core VM, at select()'s
 # 0.5 ms 5.9-6.9 (bench/kv_bench.py, tiny, three runs each, alternating).
 _FINE_WAIT_S = 0.005
+_SELECT_FD_LIMIT = 1024  # select() takes no descriptor at or above FD_SETSIZE
 
 
 class _PipeInbox:
@@ -237,9 +238,10 @@ class _PipeInbox:
         self._poller = select.poll()
         self._poller.register(conn.fileno(), select.POLLIN)
         self._fds = (conn.fileno(),)
+        self._can_select = conn.fileno() < _SELECT_FD_LIMIT
 
     def get(self, timeout: float | None) -> Call | str:
-        if timeout is not None and 0 < timeout < _FINE_WAIT_S:
+        if timeout is not None and 0 < timeout < _FINE_WAIT_S and self._can_select:
             if not select.select(self._fds, (), (), timeout)[0]:
                 raise queue.Empty
         elif not self._poller.poll(0 if timeout is None else timeout * 1000):
