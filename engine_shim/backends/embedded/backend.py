@@ -223,7 +223,7 @@ class EmbeddedBackend:
             )
         except BaseException:
             if held:  # nobody else would end it
-                self.engine.submit_expire_reservation(request_id)
+                self._expire(request_id)
             raise
         addr = KVAddrInfo(
             address=self._address,

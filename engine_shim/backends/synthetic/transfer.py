@@ -131,6 +131,9 @@ class TransferOps:
 
     def expire_reservation(self, request_id: str) -> bool:
         """As the real engine: a held reservation's owner ended it."""
+        return self._release_reservation(request_id)
+
+    def _release_reservation(self, request_id: str) -> bool:
         reservation = self._reservations.pop(request_id, None)
         if reservation is None:
             return False
@@ -218,11 +221,7 @@ class TransferOps:
             found = True
             self._drop_seq(job.seq)
             self._events.append(SendFailed(request_id, RequestAbortedError(f"{request_id!r} aborted")))
-        reservation = self._reservations.pop(request_id, None)
-        if reservation is not None:
-            found = True
-            self.pages.release(reservation.pages)
-        return found
+        return self._release_reservation(request_id) or found
 
 
 def position_stamped_chunk(begin: int, num_tokens: int) -> KVChunk:
