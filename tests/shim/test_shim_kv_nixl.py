@@ -261,64 +261,53 @@ def _core_pid(shim: ShimProcess) -> int:
     return cores[0]
 
 
-async def test_a_claim_under_a_confirmed_hold_goes_ahead_without_the_engine(process_core_shims):
-    """With a HoldKV the engine confirmed, the engine's reservation cannot expire: the claim's
-    `ready` comes while the engine core is stopped (under load it would wait for a whole
-    step), and the write it begins still reaches the engine before the abort that follows,
-    so the pages are fenced, then freed."""
-    decode_shim = process_core_shims["decode"]
+async def _claim_with_the_core_stopped(
+    decode_shim: ShimProcess, request_id: str, tokens: list[int], writer: str, *, hold: bool
+) -> None:
+    """Reserve (and, with `hold`, open a HoldKV the engine confirms), stop D's engine core,
+    claim: the claim's `ready` must come while the core is stopped; then the sender vanishes
+    mid-write, and the write it had begun still reached the engine before the abort that
+    follows: the pages are fenced, then freed."""
     core_pid = _core_pid(decode_shim)
     channel, stub = engine_stub(decode_shim.address)
     async with channel:
         baseline = await free_pages(stub)
-        info = await _reserve(stub, "nixl-held-claim", [t + 136 for t in PROMPT])
+        info = await _reserve(stub, request_id, tokens)
         reserved = await free_pages(stub)
-        hold = _kv_stub(channel).HoldKV(engine_pb2.HoldKVRequest(
-            request_id=info["request_id"], reservation_token=info["reservation_token"]))
-        assert (await hold.read()).WhichOneof("event") == "held"
+        held = None
+        if hold:
+            held = _kv_stub(channel).HoldKV(engine_pb2.HoldKVRequest(
+                request_id=info["request_id"], reservation_token=info["reservation_token"]))
+            assert (await held.read()).WhichOneof("event") == "held"
         os.kill(core_pid, signal.SIGSTOP)
         try:
-            call = _kv_stub(channel).WriteKV(
-                _write_request(info, "held-writer", write_deadline_ms=3000)
-            )
+            call = _kv_stub(channel).WriteKV(_write_request(info, writer, write_deadline_ms=3000))
             event = await asyncio.wait_for(call.read(), timeout=5)
         finally:
             os.kill(core_pid, signal.SIGCONT)
         assert event.WhichOneof("event") == "ready"
         call.cancel()  # the sender vanished mid-write
-        hold.cancel()
+        if held is not None:
+            held.cancel()
         status = await _no_reservations(stub)
         assert status.num_reserved_requests == 0
         assert status.num_free_kv_pages == reserved < baseline  # fenced: the write had begun
         assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
+
+
+async def test_a_claim_under_a_confirmed_hold_goes_ahead_without_the_engine(process_core_shims):
+    """With a HoldKV open, the engine's reservation cannot expire: the claim's `ready` comes
+    while the engine core is stopped (under load it would wait for a whole step)."""
+    await _claim_with_the_core_stopped(process_core_shims["decode"], "nixl-held-claim",
+                                       [t + 136 for t in PROMPT], "held-writer", hold=True)
 
 
 async def test_a_claim_goes_ahead_without_the_engine_where_the_shim_owns_the_ttl(process_core_shims):
     """A receiver that offers NIXL writes reserves with no TTL in its engine (its shim's is
     the only one, and ends the engine's reservation when it passes): so a claim's `ready`
-    comes with no HoldKV at all while the engine core is stopped, and the write it begins
-    still reaches the engine before the abort that follows (pages fenced, then freed)."""
-    decode_shim = process_core_shims["decode"]
-    core_pid = _core_pid(decode_shim)
-    channel, stub = engine_stub(decode_shim.address)
-    async with channel:
-        baseline = await free_pages(stub)
-        info = await _reserve(stub, "nixl-ttl-owned-claim", [t + 142 for t in PROMPT])
-        reserved = await free_pages(stub)
-        os.kill(core_pid, signal.SIGSTOP)
-        try:
-            call = _kv_stub(channel).WriteKV(
-                _write_request(info, "ttl-owned-writer", write_deadline_ms=3000)
-            )
-            event = await asyncio.wait_for(call.read(), timeout=5)
-        finally:
-            os.kill(core_pid, signal.SIGCONT)
-        assert event.WhichOneof("event") == "ready"
-        call.cancel()  # the sender vanished mid-write
-        status = await _no_reservations(stub)
-        assert status.num_reserved_requests == 0
-        assert status.num_free_kv_pages == reserved < baseline  # fenced: the write had begun
-        assert await wait_for_free_pages(stub, baseline, within_s=30) == baseline
+    comes with no HoldKV at all while the engine core is stopped."""
+    await _claim_with_the_core_stopped(process_core_shims["decode"], "nixl-ttl-owned-claim",
+                                       [t + 142 for t in PROMPT], "ttl-owned-writer", hold=False)
 
 
 @pytest.fixture()
