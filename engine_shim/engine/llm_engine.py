@@ -289,6 +289,23 @@ class LLMEngine:
         A transfer engine beside the core starts a write that waits for it once it is."""
         return self.disaggregation.send_is_ready(request_id)
 
+    def describe_send(self, request_id: str) -> str:
+        """Where a send stands, for a log line about one that is late: its job, its sequence
+        in the scheduler, the pool."""
+        job = self.disaggregation.sends.get(request_id)
+        if job is None:
+            return "no such send"
+        seq, scheduler = job.seq, self.scheduler
+        where = ("running" if seq in scheduler.running else
+                 f"waiting {scheduler.waiting.index(seq)} of {len(scheduler.waiting)}"
+                 if seq in scheduler.waiting else "in no queue")
+        return (
+            f"ready {job.is_ready}, device done {job.computed is None or job.computed.query()}, "
+            f"{seq.status.name} {where}, computed {seq.num_computed_tokens} of {seq.num_tokens}, "
+            f"{len(seq.block_table)} pages; {len(scheduler.running)} running, "
+            f"{len(scheduler.waiting)} waiting, {self.block_manager.num_free_pages} pages free"
+        )
+
     def hold_reservation(self, request_id: str, is_held: bool) -> None:
         """A KV push into the reservation has begun (held: it does not expire while the
         sender computes and streams, however long the sender's queue) or has ended (its

@@ -18,6 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,12 +57,39 @@ NOT_STARTED = "NOTSTARTED"
 # grants, nixl_receiver.MAX_WRITE_DEADLINE_MS), then dropped.
 _EARLY_KEEP_S = 120.0
 
+# A posted write still running, or an expected write whose notification has not come, this
+# long after it began is logged (once) at WARNING: a write on one host takes milliseconds, so
+# one this slow is stuck, and its send fails at its deadline (the log says which side waited).
+_SLOW_S = 1.0
+
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
 _WRITE, _CANCEL = "nixl_write", "nixl_cancel"
 
 
 # ---- in the core's process ----
+
+@dataclass(eq=False)
+class _Posted:
+    """A write this side posted: its transfer handle and what a slow one's log names."""
+
+    handle: Any
+    agent: str
+    tag: bytes
+    num_bytes: int
+    started: float
+    is_reported: bool = False  # logged as slow
+
+
+@dataclass(eq=False)
+class _Expected:
+    """A write the receiving shim claimed for `sender`, until its notification comes."""
+
+    sender: str
+    request_id: str
+    since: float
+    is_reported: bool = False
+
 
 class NixlSide:
     """The agent in the core's loop. Events back: ("notif", sender, tag, error) for every
@@ -80,15 +108,15 @@ class NixlSide:
         self._core = core  # reads held sends' slots, completes expected writes
         self._agent = agent
         self._reason = reason
-        self._expected: dict[bytes, tuple[str, str]] = {}  # tag -> (sender agent, request id)
+        self._expected: dict[bytes, _Expected] = {}  # by tag
         # tag -> [(sender agent, when read)]: notifications read before their expect was. The
         # receiving shim sends `ready` right after its expect (and the engine's
         # begin_kv_write before it) without waiting for this loop to run them, and the loop
         # may read the agent's notifications after a step before it reads those calls.
         self._early: dict[bytes, list[tuple[str, float]]] = {}
-        self._writes: dict[int, Any] = {}  # xfer id -> transfer handle
-        # xfer id -> (offer, held send, remote slots, tag, deadline): waiting for the send
-        self._parked: dict[int, tuple[NixlOffer, HeldSlots, np.ndarray, bytes, float]] = {}
+        self._writes: dict[int, _Posted] = {}  # by xfer id
+        # xfer id -> (offer, held send, remote slots, tag, deadline, since): waiting for the send
+        self._parked: dict[int, tuple[NixlOffer, HeldSlots, np.ndarray, bytes, float, float]] = {}
         self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
 
     @property
@@ -104,9 +132,13 @@ class NixlSide:
             raise UnavailableError(f"no NIXL agent in the engine core: {self._reason}")
         if op == _EXPECT:
             tag, sender, request_id = args
-            self._expected[tag] = (sender, request_id)
+            self._expected[tag] = _Expected(sender, request_id, time.monotonic())
         elif op == _FORGET:
-            self._expected.pop(args[0], None)
+            expected = self._expected.pop(args[0], None)
+            if expected is not None and expected.is_reported:
+                logger.warning("gave up the KV write of %s from agent %s after %.1f s with no "
+                               "notification", expected.request_id, expected.sender,
+                               time.monotonic() - expected.since)
             self._early.pop(args[0], None)
         elif op == _LOAD:
             return agent.load_peer(args[0])
@@ -116,11 +148,22 @@ class NixlSide:
             self._start_write(*args)
         elif op == _CANCEL:
             # True: it was still parked, so nothing of it was posted
-            if self._parked.pop(args[0], None) is not None:
+            parked = self._parked.pop(args[0], None)
+            if parked is not None:
+                waited = time.monotonic() - parked[5]
+                if waited > _SLOW_S:
+                    logger.warning("withdrew a KV write of send %s parked for %.1f s (%s)",
+                                   parked[1].request_id, waited,
+                                   self._core.describe_send(parked[1].request_id))
                 return True
-            handle = self._writes.pop(args[0], None)
-            if handle is not None:
-                agent.release(handle)
+            posted = self._writes.pop(args[0], None)
+            if posted is not None:
+                state = agent.state(posted.handle)
+                if state == "PROC" and time.monotonic() - posted.started > _SLOW_S:
+                    logger.warning("cancelling a KV write of %d bytes to agent %s still running "
+                                   "after %.1f s", posted.num_bytes, posted.agent,
+                                   time.monotonic() - posted.started)
+                agent.release(posted.handle)
             return False
         return None
 
@@ -132,17 +175,21 @@ class NixlSide:
                 self._ended.append(("write", xfer_id, NOT_STARTED, "the send has ended"))
                 return
             if not is_ready:
-                self._parked[xfer_id] = (offer, local, remote, tag, deadline)
+                self._parked[xfer_id] = (offer, local, remote, tag, deadline, time.monotonic())
                 return
         self._post(xfer_id, offer, local, remote, tag)
 
     def _post_parked(self) -> None:
         now = time.monotonic()
-        for xfer_id, (offer, local, remote, tag, deadline) in list(self._parked.items()):
+        for xfer_id, (offer, local, remote, tag, deadline, _) in list(self._parked.items()):
             is_ready = self._core.send_is_ready(local.request_id)
             if is_ready is None or now > deadline:
                 del self._parked[xfer_id]
                 why = "the send has ended" if is_ready is None else "its deadline passed"
+                if is_ready is not None:
+                    logger.warning("dropped a KV write of send %s: its KV was not ready by the "
+                                   "write's deadline (%s)", local.request_id,
+                                   self._core.describe_send(local.request_id))
                 self._ended.append(("write", xfer_id, NOT_STARTED, why))
             elif is_ready:
                 del self._parked[xfer_id]
@@ -162,7 +209,8 @@ class NixlSide:
         spin_ends = time.perf_counter() + _WRITE_SPIN_S + num_bytes / _SPIN_BYTES_PER_S
         while state == "PROC" and time.perf_counter() < spin_ends:
             state = agent.state(handle)
-        self._writes[xfer_id] = handle  # poll() reports it, ended or not
+        # poll() reports it, ended or not
+        self._writes[xfer_id] = _Posted(handle, offer.agent, tag, num_bytes, time.monotonic())
 
     def _held_slots(self, ref: HeldSlots) -> np.ndarray:
         # send_slots waits for the engine's pending KV writes (CUDA) before the read
@@ -192,15 +240,27 @@ class NixlSide:
                     events.append(self._landed(sender, tag))
                 else:  # its expect is still on its way (or it is not ours): kept, not passed on
                     self._early.setdefault(tag, []).append((sender, time.monotonic()))
-        for xfer_id, handle in list(self._writes.items()):
+        now = time.monotonic()
+        for xfer_id, posted in list(self._writes.items()):
             try:
-                state, error_text = agent.state(handle), ""
+                state, error_text = agent.state(posted.handle), ""
             except Exception as error:  # noqa: BLE001 - likewise
                 state, error_text = "ERR", str(error)
             if state != "PROC":
                 del self._writes[xfer_id]
-                agent.release(handle)
+                agent.release(posted.handle)
                 events.append(("write", xfer_id, state, error_text))
+            elif not posted.is_reported and now - posted.started > _SLOW_S:
+                posted.is_reported = True
+                logger.warning("a KV write of %d bytes to agent %s is still running after %.1f s",
+                               posted.num_bytes, posted.agent, now - posted.started)
+        for expected in self._expected.values():
+            if not expected.is_reported and now - expected.since > _SLOW_S:
+                expected.is_reported = True
+                logger.warning("no notification of the KV write of %s from agent %s after %.1f s "
+                               "(%d notifications kept for writes not yet expected)",
+                               expected.request_id, expected.sender, now - expected.since,
+                               len(self._early))
         return events
 
     def _match_early(self) -> list[Any]:
@@ -225,19 +285,22 @@ class NixlSide:
         completed in the engine here, in the loop's turn that saw it. Any other is passed on
         untouched (the shim logs and ignores it)."""
         expected = self._expected.get(tag)
-        if expected is None or expected[0] != sender:
+        if expected is None or expected.sender != sender:
             return ("notif", sender, tag, "not the claimed agent's write")
         del self._expected[tag]
+        if expected.is_reported:
+            logger.warning("the notification of the KV write of %s came after %.1f s",
+                           expected.request_id, time.monotonic() - expected.since)
         try:
-            self._core.finish_kv_write(expected[1])
+            self._core.finish_kv_write(expected.request_id)
         except EngineError as error:  # e.g. aborted meanwhile: the shim ends the write
             return ("notif", sender, tag, str(error) or type(error).__name__)
         return ("notif", sender, tag, "")
 
     def close(self) -> None:
         if self._agent is not None:
-            for handle in self._writes.values():
-                self._agent.release(handle)
+            for posted in self._writes.values():
+                self._agent.release(posted.handle)
             self._writes.clear()
             self._agent.close()
 
@@ -328,6 +391,8 @@ class CoreNixlPlane:
                     await self._withdraw(xfer_id, ended)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
+                    logger.warning("KV write %d to agent %s: neither its end nor the receiver's "
+                                   "confirmation came by its deadline", xfer_id, offer.agent)
                     raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
                 await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             is_over = True
