@@ -52,6 +52,7 @@ _STOP_WAIT_S = 10.0
 # long in the core; 0.5 ms bounds it.
 _CORE_SWITCH_INTERVAL_S = 0.0005
 _HEADER = struct.Struct("!I")  # a frame's length, before its pickled batch
+_CALL_HEADER = struct.Struct("!i")  # multiprocessing's: a message's length (below 2 GiB)
 _READ_BYTES = 1 << 20  # the shim reads the pipe this much at a time
 
 
@@ -75,6 +76,7 @@ class ProcessDriver:
         self._on_lost: Callable[[str], None] | None = None
         self._is_stopping = False
         self._frames: _FrameReader | None = None  # the child's batches, after its start
+        self._calls: _CallWriter | None = None  # calls to the child, after its start
 
     @property
     def pid(self) -> int | None:
@@ -102,14 +104,15 @@ class ProcessDriver:
             raise
         self._loop, self._deliver, self._on_lost = asyncio.get_running_loop(), deliver, on_lost
         self._frames = _FrameReader(parent)
+        self._calls = _CallWriter(parent, self._loop)
         self._loop.add_reader(parent.fileno(), self._on_readable)
         return facts
 
     def submit(self, call: Call) -> None:
-        if self._conn is None or self._is_stopping:
+        if self._calls is None or self._is_stopping:
             raise UnavailableError("engine is not running")
         try:
-            self._conn.send(call)
+            self._calls.send(call)
         except OSError as error:  # the child is gone; the reader reports it
             raise UnavailableError(f"engine process unreachable: {error}") from None
 
@@ -117,9 +120,9 @@ class ProcessDriver:
         if self._process is None or self._is_stopping:
             return
         self._is_stopping = True
-        if self._conn is not None:
+        if self._calls is not None:
             with contextlib.suppress(OSError):
-                self._conn.send(STOP)
+                self._calls.send(STOP)  # after every call still queued
         await asyncio.to_thread(self._process.join, _STOP_WAIT_S)
         self._close()
         await asyncio.to_thread(_end, self._process)
@@ -152,9 +155,67 @@ class ProcessDriver:
             return
         if self._frames is not None:
             self._frames.close()
+        if self._calls is not None:
+            self._calls.close()
+            self._calls = None
         if self._loop is not None:
             self._loop.remove_reader(conn.fileno())
         conn.close()
+
+
+class _CallWriter:
+    """Calls to the child, in order, without blocking the event loop: each goes out as
+    multiprocessing's message (a 4-byte length, then the call pickled as Connection.send
+    pickles it, so the child's Connection.recv reads it), and what the pipe cannot take at
+    once waits here, in order, written as the pipe drains. Connection.send itself is not
+    safe here: an event loop's reader may set the pipe non-blocking (uvloop's add_reader
+    does, as libuv's poll handles do), and a send into a full pipe then fails, after writing
+    part of a message or none of it."""
+
+    def __init__(self, conn: Connection, loop: asyncio.AbstractEventLoop) -> None:
+        self._sock = socket.socket(fileno=os.dup(conn.fileno()))
+        self._loop = loop
+        self._pending = bytearray()  # bytes of calls not yet written, in order
+        self._is_watching = False  # waiting for the pipe to take more
+
+    def send(self, call: object) -> None:
+        """Queue `call` after every call before it; OSError if the child is gone."""
+        data = ForkingPickler.dumps(call)
+        frame = _CALL_HEADER.pack(len(data)) + data
+        if not self._pending:
+            try:
+                sent = self._sock.send(frame, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                sent = 0
+            if sent == len(frame):
+                return
+            frame = frame[sent:]
+        self._pending += frame
+        if not self._is_watching:
+            self._loop.add_writer(self._sock.fileno(), self._flush)
+            self._is_watching = True
+
+    @property
+    def num_pending_bytes(self) -> int:
+        return len(self._pending)
+
+    def _flush(self) -> None:
+        try:
+            sent = self._sock.send(self._pending, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:  # the child is gone: the reader reports it
+            sent = len(self._pending)
+        del self._pending[:sent]
+        if not self._pending:
+            self._loop.remove_writer(self._sock.fileno())
+            self._is_watching = False
+
+    def close(self) -> None:
+        if self._is_watching:
+            self._loop.remove_writer(self._sock.fileno())
+            self._is_watching = False
+        self._sock.close()
 
 
 class _FrameReader:

@@ -4,7 +4,9 @@ reader gets every batch whole and in order, however the bytes arrive."""
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
+import os
 import queue
 import select
 import threading
@@ -12,8 +14,15 @@ import time
 
 import pytest
 
-from engine_shim.engine.core_loop import STOP
-from engine_shim.engine.core_process import _FINE_WAIT_S, _FrameReader, _PipeInbox, _Writer
+from engine_shim.engine.core_loop import EVENTS, RESULT, STOP, Call
+from engine_shim.engine.core_process import (
+    _FINE_WAIT_S,
+    ProcessDriver,
+    _CallWriter,
+    _FrameReader,
+    _PipeInbox,
+    _Writer,
+)
 
 pytestmark = pytest.mark.unit
 
@@ -89,3 +98,98 @@ def test_the_inbox_waits_then_takes_what_comes_in_order(timeout: float | None) -
         assert inbox.get(timeout if timeout is not None else 1.0) == STOP
     finally:
         core_end.close()
+
+
+# ---- calls from the shim's event loop to the core ----
+
+_CALL_BYTES = 64 << 10
+_NUM_CALLS = 200  # 12.5 MiB in all: far more than a socket pair's buffer
+
+
+def test_calls_cross_whole_and_in_order_though_the_loop_made_the_pipe_non_blocking() -> None:
+    """uvloop's add_reader sets the pipe non-blocking (libuv's poll handles do), where
+    Connection.send into a full pipe raises BlockingIOError, after writing part of a message
+    or none of it. The shim's writer queues what the pipe cannot take and writes it as the
+    pipe drains: every call arrives whole, in order, read by the child's Connection.recv."""
+    uvloop = pytest.importorskip("uvloop")  # the shim's default loop where it is installed
+    shim_end, core_end = multiprocessing.Pipe(duplex=True)
+    calls = [Call(index, "abort", (f"{index}:" + "x" * _CALL_BYTES,)) for index in range(_NUM_CALLS)]
+    received: list[object] = []
+
+    def read_all() -> None:  # the core's side: slower than the burst, so the pipe fills
+        for _ in range(_NUM_CALLS):
+            received.append(core_end.recv())
+
+    async def main() -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_reader(shim_end.fileno(), lambda: None)
+        assert os.get_blocking(shim_end.fileno()) is False  # the premise: uvloop did it
+        writer = _CallWriter(shim_end, loop)
+        most_queued = 0
+        for call in calls:  # one burst, as a wave of requests sends it
+            writer.send(call)
+            most_queued = max(most_queued, writer.num_pending_bytes)
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        deadline = time.monotonic() + 120
+        while writer.num_pending_bytes and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        await asyncio.to_thread(reader.join, 120)
+        loop.remove_reader(shim_end.fileno())
+        writer.close()
+        return most_queued
+
+    try:
+        most_queued = uvloop.run(main())
+    finally:
+        shim_end.close()
+        core_end.close()
+    assert most_queued > 0  # the pipe was full: calls waited in the writer
+    assert received == calls
+
+
+def test_a_burst_of_calls_reaches_a_core_process_on_uvloop() -> None:
+    """The engine core in its own process, driven from uvloop: a burst of calls nobody waits
+    for (as a wave of NIXL writes submits them) fills the pipe, and every one of them still
+    runs, in order, before the call that follows them. Before the shim had its own writer,
+    the burst's send into the full pipe failed with "engine process unreachable" (and a
+    call nobody waited for was lost without a word)."""
+    uvloop = pytest.importorskip("uvloop")
+    from functools import partial
+
+    from engine_shim.backends.synthetic.core import SyntheticCore
+    from engine_shim.backends.synthetic.profile import StepProfile
+    from engine_shim.engine.config import EngineConfig
+
+    core_factory = partial(SyntheticCore, profile=StepProfile.parse("1:1"))
+    batches: list[list[tuple[object, ...]]] = []
+
+    async def main() -> list[object]:
+        driver = ProcessDriver(EngineConfig(model="tiny"), core_factory)  # type: ignore[arg-type]
+        lost: list[str] = []
+        await driver.start(lambda batch, status: batches.append(batch), lost.append)
+        try:
+            for index in range(_NUM_CALLS):  # one burst: the pipe fills
+                driver.submit(Call(None, "abort", (f"absent-{index}-" + "x" * _CALL_BYTES,)))
+            for index in range(3):  # then calls whose answers come back in order
+                driver.submit(Call(index, "abort", (f"last-{index}",)))
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and sum(
+                entry[0] == RESULT for batch in batches for entry in batch
+            ) < 3:
+                await asyncio.sleep(0.02)
+        finally:
+            await driver.stop()
+        assert not lost
+        return [entry for batch in batches for entry in batch]
+
+    entries = uvloop.run(main())
+    # each call nobody waited for reports the status it left (an empty EVENTS entry), in order
+    # before the answers of the calls that came after it
+    kinds = [entry[0] for entry in entries if entry[0] in (EVENTS, RESULT)]
+    assert kinds.count(EVENTS) >= _NUM_CALLS
+    results = [entry for entry in entries if entry[0] == RESULT]
+    assert [(call_id, value, error) for _, call_id, value, error in results] == [
+        (0, False, None), (1, False, None), (2, False, None)
+    ]
+    assert kinds.index(RESULT) >= _NUM_CALLS  # the answers came after the whole burst ran
