@@ -104,3 +104,45 @@ def test_a_parked_write_that_cannot_start_posts_nothing(pair, ending: str) -> No
     [event] = _events(p_side, until=bool)
     assert event[:3] == ("write", 7, NOT_STARTED)
     assert not p_side.is_busy
+
+
+def test_a_peer_dropped_while_writes_to_it_run_is_dropped_after_them_and_reloaded_by_the_next(
+    make_engine: Callable[..., LLMEngine], pair
+) -> None:
+    """A failed write drops its peer (it may have restarted), but other writes to it may
+    still run: removing the peer under them failed them all (NIXL_ERR_NOT_FOUND), each failure
+    dropping it again. The drop waits for the transfers still open, and a write to a dropped
+    peer loads it again from the offer it carries."""
+    prefill, p_side, decode, d_side = pair
+    offer = d_side.facts()[0]
+    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
+    assert offer is not None
+    assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
+    agent = p_side._agent
+    assert agent is not None
+
+    def write(xfer_id: int, request_id: str, ids: list[int]) -> tuple[bytes, list[int]]:
+        recv = decode.prep_recv(request_id, ids, -1)
+        decode.begin_kv_write(request_id, time.monotonic() + 60)
+        tag = f"tag-{request_id}".encode()
+        d_side.call("nixl_expect", (tag, sender, request_id))
+        prefill.remote_send(request_id, ids, recv.prefix_matched_length, recv.end)
+        while not any(isinstance(e, SendReady) for e in prefill.step()):
+            pass
+        remote = segment_slots(recv.kv_segments)
+        p_side.call("nixl_write", (xfer_id, offer, HeldSlots(request_id, 0), remote, tag,
+                                   time.monotonic() + 60))
+        return tag, [recv.end]
+
+    tag_1, _ = write(1, "first", random_prompt(31, 90))
+    # The peer is dropped (another write to it failed) while this one is still open here.
+    p_side.call("nixl_drop_peer", (offer.agent,))
+    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2)
+    assert sorted(events) == [("notif", sender, tag_1, ""), ("write", 1, "DONE", "")]
+    assert offer.agent not in agent._peers  # dropped once the write was released
+    # The next write loads the peer again from its offer, and lands.
+    tag_2, _ = write(2, "second", random_prompt(32, 90))
+    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2)
+    assert sorted(events) == [("notif", sender, tag_2, ""), ("write", 2, "DONE", "")]
+    for request_id in ("first", "second"):
+        prefill.finish_remote_send(request_id)

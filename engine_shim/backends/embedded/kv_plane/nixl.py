@@ -199,6 +199,12 @@ class NixlAgent:
         self._registered = self._agent.register_memory(pool)
         self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
         self._peers: dict[str, str] = {}  # agent name -> metadata loaded for it
+        # Transfers not yet released, by peer, and peers to drop once theirs are: removing a
+        # peer fails every transfer to it still in flight (NIXL_ERR_NOT_FOUND), so one failed
+        # write would fail all the others, each failure dropping the peer again.
+        self._num_open: dict[str, int] = {}
+        self._handle_peers: dict[int, str] = {}  # id(handle) -> peer
+        self._drop_later: set[str] = set()
 
     def offer(self) -> NixlOffer:
         r = self.region
@@ -229,7 +235,12 @@ class NixlAgent:
         return name
 
     def drop_peer(self, agent: str) -> None:
-        """Disconnect from a peer that failed (it is reloaded from its next offer)."""
+        """Disconnect from a peer that failed (it is reloaded from its next offer, or by the
+        next write to it): at once, or once the transfers to it still open are released."""
+        if self._num_open.get(agent):
+            self._drop_later.add(agent)
+            return
+        self._drop_later.discard(agent)
         if self._peers.pop(agent, None) is not None:
             try:
                 self._agent.remove_remote_agent(agent)
@@ -240,7 +251,9 @@ class NixlAgent:
         self, offer: NixlOffer, local_slots: np.ndarray, remote_slots: np.ndarray, tag: bytes
     ) -> tuple[Any, str, int]:
         """Start writing `local_slots` of this pool into `remote_slots` of the offering peer's,
-        notifying `tag` once it landed: (transfer handle, its state, bytes it writes)."""
+        notifying `tag` once it landed: (transfer handle, its state, bytes it writes). The
+        offering agent is loaded first if it is not (a peer dropped after a failure)."""
+        self.load_peer(offer)
         local_starts, remote_starts, lengths = paired_runs(local_slots, remote_slots)
         remote = offer_region(offer)
         agent = self._agent
@@ -250,6 +263,8 @@ class NixlAgent:
             handle = agent.initialize_xfer("WRITE", local_descs, remote_descs, offer.agent, tag)
         except Exception as error:  # noqa: BLE001 - NIXL raises its own error types
             raise UnavailableError(f"NIXL could not set up a write to agent {offer.agent}: {error}") from None
+        self._handle_peers[id(handle)] = offer.agent
+        self._num_open[offer.agent] = self._num_open.get(offer.agent, 0) + 1
         try:
             state = agent.transfer(handle)
         except BaseException:
@@ -261,11 +276,20 @@ class NixlAgent:
         return str(self._agent.check_xfer_state(handle))
 
     def release(self, handle: Any) -> None:
-        """Release a transfer, cancelling it if it still runs."""
+        """Release a transfer, cancelling it if it still runs; a drop of its peer waiting
+        for it follows."""
         try:
             handle.release()
         except Exception:  # noqa: BLE001 - logged; nothing else can be done with it
             logger.exception("could not release (cancel) a NIXL transfer")
+        peer = self._handle_peers.pop(id(handle), None)
+        if peer is None:
+            return
+        self._num_open[peer] -= 1
+        if not self._num_open[peer]:
+            del self._num_open[peer]
+            if peer in self._drop_later:
+                self.drop_peer(peer)
 
     def close(self) -> None:
         for agent in list(self._peers):

@@ -158,7 +158,10 @@ class NixlSide:
                 return True
             posted = self._writes.pop(args[0], None)
             if posted is not None:
-                state = agent.state(posted.handle)
+                try:
+                    state = agent.state(posted.handle)
+                except Exception:  # noqa: BLE001 - NIXL's own error types; released below anyway
+                    state = "ERR"
                 if state == "PROC" and time.monotonic() - posted.started > _SLOW_S:
                     logger.warning("cancelling a KV write of %d bytes to agent %s still running "
                                    "after %.1f s", posted.num_bytes, posted.agent,

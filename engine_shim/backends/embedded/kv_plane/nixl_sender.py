@@ -231,7 +231,8 @@ async def _claim_and_write(
     finally:
         for future in pending:
             future.cancel()
-        call.cancel()  # a no-op once the call has ended
+        if not marks.done:  # after `done` the receiver's status follows: cancelling then
+            call.cancel()  # raced it, and its gRPC server logged a failed batch at ERROR
 
 
 async def _abandon(
