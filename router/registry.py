@@ -2,8 +2,10 @@
 
 Each engine has a monitor task that checks grpc.health.v1 (Check with a deadline) and polls
 GetStatus on an interval. A failed check, a failed call or a stall marks the engine
-UNREACHABLE (out of rotation); the next good check puts it back. Engines join and leave at
-runtime through add()/remove() (static addresses, or DNS via discovery.py).
+UNREACHABLE (out of rotation); the next good check puts it back, and a failed call brings
+that check forward (RECHECK_AFTER_FAILURE_S), so an engine that only failed one call is back
+at once. Engines join and leave at runtime through add()/remove() (static addresses, or DNS
+via discovery.py).
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ _SERVING = router_pb2.ENGINE_HEALTH_SERVING
 _NOT_SERVING = router_pb2.ENGINE_HEALTH_NOT_SERVING
 _UNREACHABLE = router_pb2.ENGINE_HEALTH_UNREACHABLE
 
+# A call that failed takes its engine out of rotation, and its next check comes this soon
+# after, not a whole interval later: an engine that answers (a KV write that timed out under
+# load, one request's failure) is back in rotation at once, where with one engine of a role
+# every request in the interval had got "no healthy engine" (HTTP 503). A dead or stalled
+# engine fails that check too and stays out.
+RECHECK_AFTER_FAILURE_S = 0.05
+
 
 class EngineRegistry:
     def __init__(
@@ -40,6 +49,7 @@ class EngineRegistry:
         self._timeout_s = health_timeout_s
         self._endpoints: dict[str, Endpoint] = {}
         self._monitors: dict[str, asyncio.Task[None]] = {}
+        self._wakes: dict[str, asyncio.Event] = {}  # set: the monitor checks now
         self._listeners: list[Callable[[Endpoint, int], None]] = []
         self._is_started = False
 
@@ -68,6 +78,7 @@ class EngineRegistry:
         monitor = self._monitors.pop(address, None)
         if monitor is not None:
             monitor.cancel()
+        self._wakes.pop(address, None)
         logger.info("engine %s left", address)
         asyncio.get_running_loop().create_task(self._close_when_idle(endpoint))
 
@@ -127,10 +138,14 @@ class EngineRegistry:
             listener(endpoint, previous)
 
     def mark_failed(self, address: str) -> None:
-        """A call to the engine failed or stalled: out of rotation until a good check."""
+        """A call to the engine failed or stalled: out of rotation until a good check, which
+        comes RECHECK_AFTER_FAILURE_S from now."""
         endpoint = self._endpoints.get(address)
         if endpoint is not None:
             self.set_health(endpoint, _UNREACHABLE)
+            wake = self._wakes.get(address)
+            if wake is not None:
+                asyncio.get_running_loop().call_later(RECHECK_AFTER_FAILURE_S, wake.set)
 
     async def check_now(self, endpoint: Endpoint) -> None:
         """One health check plus status poll."""
@@ -151,14 +166,28 @@ class EngineRegistry:
         endpoint.update_status(status)
         self.set_health(endpoint, _NOT_SERVING if status.is_draining else _SERVING)
 
-    async def _monitor(self, endpoint: Endpoint) -> None:
-        while True:
-            await self.check_now(endpoint)
-            await asyncio.sleep(self._interval_s)
+    async def _monitor(self, endpoint: Endpoint, wake: asyncio.Event, is_checked: bool) -> None:
+        """A check every interval, or sooner when `wake` is set (a failed call); the first
+        one at once unless `is_checked` (start() has just checked every engine)."""
+        try:
+            if is_checked:
+                await self._sleep(wake)
+            while True:
+                await self.check_now(endpoint)
+                wake.clear()  # a failure during the check is judged by the check itself
+                await self._sleep(wake)
+        finally:
+            if self._wakes.get(endpoint.address) is wake:
+                del self._wakes[endpoint.address]
 
-    def _start_monitor(self, endpoint: Endpoint) -> None:
+    async def _sleep(self, wake: asyncio.Event) -> None:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(wake.wait(), self._interval_s)
+
+    def _start_monitor(self, endpoint: Endpoint, is_checked: bool = False) -> None:
+        wake = self._wakes[endpoint.address] = asyncio.Event()
         self._monitors[endpoint.address] = asyncio.get_running_loop().create_task(
-            self._monitor(endpoint), name=f"monitor {endpoint.address}"
+            self._monitor(endpoint, wake, is_checked), name=f"monitor {endpoint.address}"
         )
 
     async def start(self) -> None:
@@ -168,7 +197,7 @@ class EngineRegistry:
             endpoint.connect(self._transport)
         await asyncio.gather(*(self.check_now(e) for e in self._endpoints.values()))
         for endpoint in self._endpoints.values():
-            self._start_monitor(endpoint)
+            self._start_monitor(endpoint, is_checked=True)
 
     async def stop(self) -> None:
         for monitor in self._monitors.values():

@@ -102,3 +102,31 @@ async def test_request_fails_cleanly_when_no_engine_is_left(own_shims) -> None:
         results = await generate(stub, router_pb2.NewRequest(request_id="n", text="anyone?", sampling=greedy()))
     error = results["n"].error
     assert error is not None and error.code == grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+async def test_an_engine_that_failed_a_call_but_answers_is_back_in_rotation_at_once(own_shims) -> None:
+    """A failed call takes its engine out of rotation, and its health check comes at once,
+    not an interval later: the only engine of a role, alive but failing one call (a KV write
+    that timed out under load), no longer leaves every request of the interval to "no healthy
+    engine". A dead engine stays out (the test above); so does a stalled one (its check times
+    out, test_stalled_...)."""
+    engine = own_shims[2]  # alive: the healthy one of the stall test
+    router = Router(settings=router_settings([f"{engine.address}=both"], pattern="round-robin",
+                                             health_interval_s=120))  # only the failure brings a check
+    async with running_router(router) as (_, stub):
+        endpoint = router.registry.get(engine.address)
+        assert endpoint is not None and endpoint.is_available
+        # Before this change the monitor checked again right after start: let any such check
+        # end first, or it, not the failure's recheck, would put the engine back.
+        await asyncio.sleep(1.0)
+        router.engines.call_failed_with(grpc.StatusCode.UNAVAILABLE, "KV write to agent x did not complete",
+                                        engine.address, "remote_send")
+        assert not endpoint.is_available  # out of rotation, as before
+
+        async def back_in_rotation() -> bool:
+            return endpoint.is_available
+
+        assert await wait_for(back_in_rotation, timeout_s=30)  # well inside the 120 s interval
+        results = await generate(stub, router_pb2.NewRequest(request_id="back", text="back again",
+                                                             sampling=greedy()))
+    assert results["back"].error is None and list(results["back"].done.engines) == [engine.address]
