@@ -231,8 +231,11 @@ async def _claim_and_write(
     finally:
         for future in pending:
             future.cancel()
-        if not marks.done:  # after `done` the receiver's status follows: cancelling then
-            call.cancel()  # raced it, and its gRPC server logged a failed batch at ERROR
+        if not marks.done:
+            call.cancel()
+        else:  # the receiver's status follows `done`: cancelling at once raced it (its gRPC
+            # server logged a failed batch at ERROR); later, only a call that never ended
+            asyncio.get_running_loop().call_later(_ABANDON_TIMEOUT_S, call.cancel)
 
 
 async def _abandon(
