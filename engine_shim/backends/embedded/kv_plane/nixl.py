@@ -199,10 +199,9 @@ class NixlAgent:
         self._registered = self._agent.register_memory(pool)
         self._metadata = base64.b64encode(self._agent.get_agent_metadata()).decode()
         self._peers: dict[str, str] = {}  # agent name -> metadata loaded for it
-        # Transfers not yet released, by peer, and peers to drop once theirs are: removing a
-        # peer fails every transfer to it still in flight (NIXL_ERR_NOT_FOUND), so one failed
-        # write would fail all the others, each failure dropping the peer again.
-        self._num_open: dict[str, int] = {}
+        # The peer of every transfer not yet released, and peers to drop once theirs are:
+        # removing a peer fails every transfer to it still in flight (NIXL_ERR_NOT_FOUND), so
+        # one failed write would fail all the others, each failure dropping the peer again.
         self._handle_peers: dict[int, str] = {}  # id(handle) -> peer
         self._drop_later: set[str] = set()
 
@@ -237,7 +236,7 @@ class NixlAgent:
     def drop_peer(self, agent: str) -> None:
         """Disconnect from a peer that failed (it is reloaded from its next offer, or by the
         next write to it): at once, or once the transfers to it still open are released."""
-        if self._num_open.get(agent):
+        if agent in self._handle_peers.values():
             self._drop_later.add(agent)
             return
         self._drop_later.discard(agent)
@@ -264,7 +263,6 @@ class NixlAgent:
         except Exception as error:  # noqa: BLE001 - NIXL raises its own error types
             raise UnavailableError(f"NIXL could not set up a write to agent {offer.agent}: {error}") from None
         self._handle_peers[id(handle)] = offer.agent
-        self._num_open[offer.agent] = self._num_open.get(offer.agent, 0) + 1
         try:
             state = agent.transfer(handle)
         except BaseException:
@@ -283,13 +281,8 @@ class NixlAgent:
         except Exception:  # noqa: BLE001 - logged; nothing else can be done with it
             logger.exception("could not release (cancel) a NIXL transfer")
         peer = self._handle_peers.pop(id(handle), None)
-        if peer is None:
-            return
-        self._num_open[peer] -= 1
-        if not self._num_open[peer]:
-            del self._num_open[peer]
-            if peer in self._drop_later:
-                self.drop_peer(peer)
+        if peer is not None and peer in self._drop_later:
+            self.drop_peer(peer)  # or later still, while other transfers to it are open
 
     def close(self) -> None:
         for agent in list(self._peers):

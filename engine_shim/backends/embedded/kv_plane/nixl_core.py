@@ -19,7 +19,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -75,10 +75,20 @@ class _Posted:
 
     handle: Any
     agent: str
-    tag: bytes
     num_bytes: int
     started: float
     is_reported: bool = False  # logged as slow
+
+
+class _Parked(NamedTuple):
+    """A write of a send still computing, waiting in the core to be posted."""
+
+    offer: NixlOffer
+    send: HeldSlots
+    remote: np.ndarray
+    tag: bytes
+    deadline: float
+    since: float
 
 
 @dataclass(eq=False)
@@ -115,8 +125,7 @@ class NixlSide:
         # may read the agent's notifications after a step before it reads those calls.
         self._early: dict[bytes, list[tuple[str, float]]] = {}
         self._writes: dict[int, _Posted] = {}  # by xfer id
-        # xfer id -> (offer, held send, remote slots, tag, deadline, since): waiting for the send
-        self._parked: dict[int, tuple[NixlOffer, HeldSlots, np.ndarray, bytes, float, float]] = {}
+        self._parked: dict[int, _Parked] = {}  # by xfer id: waiting for the send
         self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
 
     @property
@@ -150,11 +159,11 @@ class NixlSide:
             # True: it was still parked, so nothing of it was posted
             parked = self._parked.pop(args[0], None)
             if parked is not None:
-                waited = time.monotonic() - parked[5]
+                waited = time.monotonic() - parked.since
                 if waited > _SLOW_S:
                     logger.warning("withdrew a KV write of send %s parked for %.1f s (%s)",
-                                   parked[1].request_id, waited,
-                                   self._core.describe_send(parked[1].request_id))
+                                   parked.send.request_id, waited,
+                                   self._core.describe_send(parked.send.request_id))
                 return True
             posted = self._writes.pop(args[0], None)
             if posted is not None:
@@ -178,7 +187,7 @@ class NixlSide:
                 self._ended.append(("write", xfer_id, NOT_STARTED, "the send has ended"))
                 return
             if not is_ready:
-                self._parked[xfer_id] = (offer, local, remote, tag, deadline, time.monotonic())
+                self._parked[xfer_id] = _Parked(offer, local, remote, tag, deadline, time.monotonic())
                 return
         self._post(xfer_id, offer, local, remote, tag)
 
@@ -213,7 +222,7 @@ class NixlSide:
         while state == "PROC" and time.perf_counter() < spin_ends:
             state = agent.state(handle)
         # poll() reports it, ended or not
-        self._writes[xfer_id] = _Posted(handle, offer.agent, tag, num_bytes, time.monotonic())
+        self._writes[xfer_id] = _Posted(handle, offer.agent, num_bytes, time.monotonic())
 
     def _held_slots(self, ref: HeldSlots) -> np.ndarray:
         # send_slots waits for the engine's pending KV writes (CUDA) before the read
