@@ -181,8 +181,12 @@ class EngineRegistry:
                 del self._wakes[endpoint.address]
 
     async def _sleep(self, wake: asyncio.Event) -> None:
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the inner result when
+        # the cancellation and the wake-up land in one turn of the loop, and a monitor that
+        # lost its cancellation kept `stop()` waiting forever.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(wake.wait(), self._interval_s)
+            async with asyncio.timeout(self._interval_s):
+                await wake.wait()
 
     def _start_monitor(self, endpoint: Endpoint, is_checked: bool = False) -> None:
         wake = self._wakes[endpoint.address] = asyncio.Event()
