@@ -251,10 +251,10 @@ async def _abandon(
     )
     try:
         await peers.abandon_stub(addr.address)(request, timeout=_ABANDON_TIMEOUT_S)
-        ends = time.monotonic() + _ABANDON_TIMEOUT_S
-        event = await asyncio.wait_for(asyncio.shield(next_event), _ABANDON_TIMEOUT_S)
-        while event is not aio.EOF:  # a `ready` still on its way
-            event = await asyncio.wait_for(call.read(), max(0.0, ends - time.monotonic()))
+        async with asyncio.timeout(_ABANDON_TIMEOUT_S):
+            event = await asyncio.shield(next_event)
+            while event is not aio.EOF:  # a `ready` still on its way
+                event = await call.read()
     except (aio.AioRpcError, TimeoutError) as error:
         detail = error.details() if isinstance(error, aio.AioRpcError) else "no answer"
         logger.info("abandoning the KV write claim of %s at %s failed (%s); its pages stay "
@@ -288,7 +288,10 @@ async def _event(
         if stop.done() and not future.done():
             raise WriteNotStarted(f"the KV write was given up before the receiver's {kind!r}")
     try:
-        event = await asyncio.wait_for(asyncio.shield(future), max(0.0, deadline - time.monotonic()))
+        # asyncio.timeout, not wait_for: Python 3.11's wait_for returns the event and drops a
+        # cancellation of this send that comes in the same turn of the loop.
+        async with asyncio.timeout(max(0.0, deadline - time.monotonic())):
+            event = await asyncio.shield(future)
     except TimeoutError:
         raise ReceiverUnavailableError(f"the receiver did not answer {kind!r} in time") from None
     except aio.AioRpcError as error:
