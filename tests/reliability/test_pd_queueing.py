@@ -191,3 +191,47 @@ async def test_a_hold_keeps_a_reservation_past_its_ttl_until_the_hold_ends(stack
         return status.num_reserved_requests == 0 and status.num_free_kv_pages == baseline
 
     assert await wait_until(is_reclaimed, timeout_s=TTL_S + 10) is not None
+
+
+WRITE_TIMEOUT_S = 1.0
+
+
+@pytest.fixture(scope="module")
+def core_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
+    """As `stack`, with P's engine core in a process of its own (as on a GPU): its NIXL agent
+    sits beside the core, so P claims D's reservation as each send begins, and a claim's
+    deadline (1 s here) can pass while the send still queues."""
+    if load_nixl()[0] is None:
+        pytest.skip(f"NIXL does not load here: {load_nixl()[1]}")
+    logs = tmp_path_factory.mktemp("pd-queueing-core")
+    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", "--engine-process", "on",
+                             "--kv-write-timeout-s", str(WRITE_TIMEOUT_S), prefix="p")
+    (decode,) = start_shims(logs, ["decode"], "--reservation-ttl-s", str(TTL_S), prefix="d")
+    router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
+                          "--pattern", "disagg", "--health-interval-s", "0.2")
+    services = {"prefill": prefill, "decode": decode, "router": router}
+    yield services
+    stop_all(services.values())
+
+
+async def test_a_send_queued_past_its_claims_deadline_keeps_the_reservation(
+    core_stack: dict[str, Service]
+) -> None:
+    """The early claim holds D's reservation while it is open; when its deadline passes with
+    the send still in P's queue, P opens a HoldKV before abandoning the claim, so the
+    reservation outlives the queue (longer than the claim's deadline and D's TTL together),
+    and P claims again once the KV is computed."""
+    prefill, decode = core_stack["prefill"], core_stack["decode"]
+    blocker = asyncio.ensure_future(_occupy(prefill.address, "blocker", LONG_BLOCKER_TOKENS))
+    await _wait_running(prefill.address)
+    sent = asyncio.ensure_future(_send(core_stack["router"], "queued-early", list(range(20, 120))))
+    await _wait_waiting(prefill.address)
+    await asyncio.sleep(WRITE_TIMEOUT_S + TTL_S * 4)
+    assert not blocker.done()
+    blocker.cancel()
+    record = await sent
+    assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
+    assert record.done is not None and len(record.token_ids) == 8
+    assert set(record.done.engines) == {prefill.address, decode.address}, record.done.engines
+    line = await _remote_send_line(prefill)
+    assert line.endswith("path=nixl") and _hold_ms(line) > (WRITE_TIMEOUT_S + TTL_S) * 1e3, line

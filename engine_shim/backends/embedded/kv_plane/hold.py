@@ -1,9 +1,10 @@
-"""KVTransfer.HoldKV, both sides: a one-sided (NIXL) sender claims the receiver's reservation
-only once its engine has computed the KV (WriteKV, nixl_sender.py), and that engine may
-queue the send for longer than the reservation's TTL. So the sender opens a hold as its
-RemoteSend begins and keeps it open until its write has ended; the receiver keeps the
-reservation (its ticket and the engine's pages) from expiring while any hold is open.
-A PushKV claims at the same moment by itself, so only NIXL sends need this."""
+"""KVTransfer.HoldKV, both sides: a one-sided (NIXL) sender whose engine may queue the send
+for longer than the receiver's reservation lives keeps it alive with a hold; the receiver
+keeps the reservation (its ticket and the engine's pages) from expiring while any hold is
+open. A sender whose agent sits beside the engine core claims the reservation (WriteKV) as
+its RemoteSend begins, and an open claim holds it too, so it opens a hold only when that
+claim's deadline passes before the KV is computed (nixl_sender.py); one that claims only once
+the KV is computed holds from the start. A PushKV claims at once by itself and needs none."""
 
 from __future__ import annotations
 
@@ -65,22 +66,49 @@ async def serve_hold(
                 await hold(request_id, False)
 
 
+class Hold:
+    """A sender's HoldKV on `addr`'s reservation: `open()` sends it (nothing awaited, so it
+    costs the send no round trip; opening twice is a no-op), `close()` ends it (idempotent).
+    A receiver that cannot hold (reservation gone, an older shim) is only logged: the
+    write's own claim then reports what is wrong."""
+
+    def __init__(self, stub: HoldStub, addr: KVAddrInfo, timeout_s: float) -> None:
+        self._stub = stub
+        self._addr = addr
+        self._timeout_s = timeout_s
+        self._call: aio.UnaryStreamCall | None = None
+        self._watcher: asyncio.Future[None] | None = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._call is not None
+
+    def open(self) -> None:
+        if self._call is not None:
+            return
+        addr = self._addr
+        request = engine_pb2.HoldKVRequest(
+            request_id=addr.request_id, reservation_token=addr.reservation_token
+        )
+        self._call = self._stub(addr.address)(request, timeout=self._timeout_s)
+        self._watcher = asyncio.ensure_future(_watch(self._call, addr))
+
+    def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+        if self._call is not None:
+            self._call.cancel()
+
+
 @contextlib.asynccontextmanager
 async def holding(stub: HoldStub, addr: KVAddrInfo, timeout_s: float) -> AsyncIterator[None]:
-    """Hold `addr`'s reservation while the body runs. Not awaited before the body: the
-    request goes out as the body starts (the engine's compute), so it costs the send no
-    round trip. A receiver that cannot hold (reservation gone, an older shim) is only
-    logged: the write's own claim then reports what is wrong."""
-    request = engine_pb2.HoldKVRequest(
-        request_id=addr.request_id, reservation_token=addr.reservation_token
-    )
-    call = stub(addr.address)(request, timeout=timeout_s)
-    watcher = asyncio.ensure_future(_watch(call, addr))
+    """Hold `addr`'s reservation while the body runs (Hold, opened as the body starts)."""
+    hold = Hold(stub, addr, timeout_s)
+    hold.open()
     try:
         yield
     finally:
-        watcher.cancel()
-        call.cancel()
+        hold.close()
 
 
 async def _watch(call: aio.UnaryStreamCall, addr: KVAddrInfo) -> None:

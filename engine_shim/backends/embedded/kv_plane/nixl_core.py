@@ -403,9 +403,8 @@ class CoreNixlPlane:
                     await self._withdraw(xfer_id, ended)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
-                    logger.warning("KV write %d to agent %s: neither its end nor the receiver's "
-                                   "confirmation came by its deadline", xfer_id, offer.agent)
-                    raise UnavailableError(f"KV write to agent {offer.agent} did not complete")
+                    is_over = True
+                    await self._withdraw_late(xfer_id, ended, offer.agent)
                 await asyncio.wait(waits, timeout=remaining, return_when=asyncio.FIRST_COMPLETED)
             is_over = True
             state, error = ended.result()
@@ -418,6 +417,22 @@ class CoreNixlPlane:
                 self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
             self._writes.pop(xfer_id, None)
         return self.region.bytes_of(len(remote_slots))  # the side checked they pair up
+
+    async def _withdraw_late(self, xfer_id: int, ended: asyncio.Future[tuple[str, str]],
+                             agent: str) -> None:
+        """A write whose deadline passed: withdrawn. WriteNotStarted when it was still parked
+        (the send's KV not computed by then: the caller may claim again and write once it
+        is; the core drops it at the deadline too, but only between steps, after this side
+        has seen the deadline), else UnavailableError."""
+        try:
+            await self._withdraw(xfer_id, ended)
+        except WriteNotStarted:
+            raise WriteNotStarted(f"KV write to agent {agent} not started by its deadline: its "
+                                  "KV was not computed by then") from None
+        except UnavailableError:
+            logger.warning("KV write %d to agent %s: neither its end nor the receiver's "
+                           "confirmation came by its deadline", xfer_id, agent)
+            raise UnavailableError(f"KV write to agent {agent} did not complete") from None
 
     async def _withdraw(self, xfer_id: int, ended: asyncio.Future[tuple[str, str]]) -> None:
         """Give a write up; raises WriteNotStarted when nothing of it was posted (it was still

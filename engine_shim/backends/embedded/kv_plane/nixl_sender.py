@@ -1,6 +1,6 @@
-"""The sending side of a NIXL write: holding the receiver's reservation from the start
-(hold.py), and with the send's pages held once computed, claim the receiver's
-reservation over KVTransfer.WriteKV (quoting the offer it writes by and a deadline), write the
+"""The sending side of a NIXL write: keeping the receiver's reservation alive however long
+the engine queues the send (an open claim or a HoldKV, hold.py), and with the send's pages
+held once computed, claim the receiver's reservation over KVTransfer.WriteKV (quoting the offer it writes by and a deadline), write the
 pages straight into the reserved slots once the receiver says ready, and return once it says
 the notification arrived. Writes go only to an agent that this authenticated peer confirmed
 for this reservation, only into the slots it reserved."""
@@ -19,7 +19,7 @@ import numpy as np
 from grpc import aio
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
-from engine_shim.backends.embedded.kv_plane.hold import holding
+from engine_shim.backends.embedded.kv_plane.hold import Hold, holding
 from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, KVWritePlane, WriteNotStarted
 from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
 from engine_shim.backends.embedded.kv_plane.sender import (
@@ -88,10 +88,11 @@ async def write_kv(
     """Write the held send's KV (slots of [window_begin, end)) into `addr`'s reservation;
     (tokens, bytes) written. `held` yields the send's slots once computed, or None where the
     plane reads them itself (KVWritePlane.reads_held_slots: the engine's send `send_id`).
-    The receiver holds the reservation from the start (at most `hold_timeout_s`), however
-    long the engine queues the send. Where the plane reads them itself (the agent beside
-    the engine core), the claim goes out at once and the write starts in the core the moment
-    the KV is computed (_write_early). Raises UnavailableError when the peer or its agent
+    The receiver holds the reservation however long the engine queues the send (at most
+    `hold_timeout_s`): under a HoldKV from the start; or, where the plane reads the slots
+    itself (the agent beside the engine core), under the claim, which goes out at once (the
+    write starts in the core the moment the KV is computed: _write_early), and a HoldKV only
+    if the claim's deadline passes first. Raises UnavailableError when the peer or its agent
     fails, or the write does not land within `write_timeout_s` of its claim."""
     offer = addr.nixl
     if offer is None:
@@ -101,21 +102,28 @@ async def write_kv(
     started = time.perf_counter()
     offset = addr.begin - window_begin
     remote = segment_slots(addr.kv_segments)
-    async with holding(peers.hold_stub, addr, hold_timeout_s):
-        if plane.reads_held_slots:
+    if plane.reads_held_slots:
+        # The claim goes out now and holds the reservation while it is open; a hold only
+        # if it is given up before the KV is computed (a send queued past its deadline).
+        hold = Hold(peers.hold_stub, addr, hold_timeout_s)
+        try:
             num_bytes = await _write_early(
                 peers, plane, addr, offer, HeldSlots(send_id, offset), remote, held,
-                write_timeout_s, times, started,
+                write_timeout_s, times, started, hold,
             )
-        else:
-            async with held as slots:
-                assert slots is not None  # fetched: this plane does not read them itself
-                local = np.asarray(slots[offset:], dtype=np.int64)
-                computed, marks = time.perf_counter(), _Marks()
-                num_bytes = await _claim_and_write(
-                    peers, plane, addr, offer, local, remote, write_timeout_s, marks
-                )
-                times.settle(started, computed, marks)
+        finally:
+            hold.close()
+        return addr.end - addr.begin, num_bytes
+    # The claim goes out once the KV is computed, however long the engine queues the send:
+    # held from the start.
+    async with holding(peers.hold_stub, addr, hold_timeout_s), held as slots:
+        assert slots is not None  # fetched: this plane does not read them itself
+        local = np.asarray(slots[offset:], dtype=np.int64)
+        computed, marks = time.perf_counter(), _Marks()
+        num_bytes = await _claim_and_write(
+            peers, plane, addr, offer, local, remote, write_timeout_s, marks
+        )
+        times.settle(started, computed, marks)
     return addr.end - addr.begin, num_bytes
 
 
@@ -130,27 +138,42 @@ async def _write_early(
     write_timeout_s: float,
     times: WriteTimes,
     started: float,
+    hold: Hold,
 ) -> int:
     """Claim while the engine computes, and hand the core the write at once: it waits in
     the core and starts in the first loop turn after the KV is written, so neither the
     claim's round trip nor a message from here after the computation is on the send's path.
-    A claim whose deadline passes while the engine still computes is abandoned (nothing was
-    written) and made again once the KV is there. A send that fails or is cancelled gives
-    the write up before `held` lets the send's pages go, and abandons the claim when nothing
-    was posted, so the receiver does not fence its pages."""
-    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    The open claim holds the receiver's reservation. When the engine still computes as the
+    claim's deadline nears (_claim_margin_s before it, so the abandon reaches the receiver
+    before its own deadline fences the pages), `hold` opens (the reservation then outlives
+    the engine's queue), the claim is abandoned (nothing was written) and made again once
+    the KV is there. A send that fails or is cancelled gives the write up before `held` lets
+    the send's pages go, and abandons the claim when nothing was posted, so the receiver
+    does not fence its pages."""
+    loop = asyncio.get_running_loop()
+    stop: asyncio.Future[None] = loop.create_future()
+    is_computed = False
+
+    def wait_no_longer() -> None:
+        if not is_computed and not stop.done():
+            hold.open()  # before the abandon: the reservation must outlive it
+            stop.set_result(None)
+
     marks = _Marks()
     attempt = asyncio.ensure_future(_claim_and_write(
         peers, plane, addr, offer, local, remote, write_timeout_s, marks, stop=stop
     ))
+    timer = loop.call_later(write_timeout_s - _claim_margin_s(write_timeout_s), wait_no_longer)
     try:
         async with held:
+            is_computed = True
+            timer.cancel()
             computed = time.perf_counter()
             try:
                 try:
                     num_bytes = await asyncio.shield(attempt)
                 except WriteNotStarted:
-                    # the claim's deadline passed while the engine computed: claim again
+                    # given up as its deadline neared, the engine still computing: again
                     computed, marks = time.perf_counter(), _Marks()
                     num_bytes = await _claim_and_write(
                         peers, plane, addr, offer, local, remote, write_timeout_s, marks
@@ -160,7 +183,15 @@ async def _write_early(
             times.settle(started, computed, marks)
             return num_bytes
     finally:
+        timer.cancel()
         await _give_up(attempt, stop)  # the send failed before its KV was computed
+
+
+def _claim_margin_s(write_timeout_s: float) -> float:
+    """How long before its deadline an early claim still waiting for the KV is given up:
+    time for withdrawing the parked write (a core round trip, between steps) and for the
+    abandon to reach the receiver."""
+    return min(_ABANDON_TIMEOUT_S, write_timeout_s / 2)
 
 
 async def _give_up(attempt: asyncio.Future[int], stop: asyncio.Future[None]) -> None:
