@@ -6,7 +6,8 @@ transfer is left for the core to release when it ends. A write given up while it
 waits in the core (parked: its send still computing) was never posted, so the sender
 abandons its claim and the receiver (a real decode shim here) keeps the reservation open and
 unfenced. The core here is a recorder of the ops the plane sends it, which never reports
-back, as a core busy in a long step; it answers a cancel as a core whose write was parked."""
+back, as a core busy in a long step; it answers a cancel as a core whose write was parked
+(or posted, or not at all), as the test says."""
 
 from __future__ import annotations
 
@@ -35,27 +36,32 @@ OFFER = NixlOffer(agent="receiver", metadata="", mem_type="DRAM", device_id=0, b
 class _BusyCore:
     """Takes the plane's side ops and reports nothing back."""
 
-    def __init__(self) -> None:
+    def __init__(self, was_parked: bool | None = True) -> None:
         self.ops: list[str] = []
         self.on_side_events: Any = None
+        self._was_parked = was_parked  # a cancel's answer; None: never answers
 
     def submit_side(self, op: str, *args: Any) -> None:
         self.ops.append(op)
 
     async def call_side(self, op: str, *args: Any) -> object:
         self.ops.append(op)
-        return True  # a cancel: the write was still parked
+        if self._was_parked is None:
+            await asyncio.Event().wait()
+        return self._was_parked  # a cancel: whether the write was still parked
 
 
-async def _started_write() -> tuple[_BusyCore, asyncio.Future[str], asyncio.Future[int]]:
+async def _started_write(
+    core: _BusyCore | None = None, deadline_s: float = 30.0
+) -> tuple[_BusyCore, asyncio.Future[str], asyncio.Future[int]]:
     """A write through a plane over a busy core, under way: (the core, the receiver's next
     event to set, the write)."""
-    core = _BusyCore()
+    core = _BusyCore() if core is None else core
     plane = CoreNixlPlane(core, OFFER)  # type: ignore[arg-type]
     peer: asyncio.Future[str] = asyncio.get_running_loop().create_future()
     write = asyncio.ensure_future(plane.write(
         OFFER, HeldSlots("req", 0), np.arange(8, dtype=np.int64), b"tag",
-        deadline=time.monotonic() + 30, peer=peer,
+        deadline=time.monotonic() + deadline_s, peer=peer,
         peer_landed=lambda: peer.done() and peer.result() == "done",
     ))
     await asyncio.sleep(0.05)
@@ -75,6 +81,22 @@ async def test_a_receiver_that_ends_otherwise_fails_the_write_and_cancels_it() -
     peer.set_result("eof")
     with pytest.raises(UnavailableError):
         await asyncio.wait_for(write, 5)
+    assert core.ops == ["nixl_write", "nixl_cancel"]
+
+
+@pytest.mark.parametrize("was_parked", [True, False, None], ids=["parked", "posted", "no-answer"])
+async def test_a_write_past_its_deadline_is_withdrawn_and_says_whether_it_started(
+    was_parked: bool | None,
+) -> None:
+    """At its deadline a write neither side has ended is withdrawn from the core: one still
+    parked there (its send's KV not computed; the core drops such a write too, but only
+    between steps) ends WriteNotStarted, so its sender may abandon the claim and claim again;
+    one posted, or a core that does not answer the withdrawal, fails the write."""
+    core, _, write = await _started_write(_BusyCore(was_parked), deadline_s=0.2)
+    expected = WriteNotStarted if was_parked else UnavailableError
+    with pytest.raises(expected) as ended:
+        await asyncio.wait_for(write, 10)
+    assert was_parked or not isinstance(ended.value, WriteNotStarted)
     assert core.ops == ["nixl_write", "nixl_cancel"]
 
 

@@ -62,6 +62,10 @@ _EARLY_KEEP_S = 120.0
 # one this slow is stuck, and its send fails at its deadline (the log says which side waited).
 _SLOW_S = 1.0
 
+# A write past its deadline is withdrawn (to learn whether it was only parked); a core that
+# does not answer within this long fails the send as before.
+_WITHDRAW_LATE_S = 2.0
+
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
 _WRITE, _CANCEL = "nixl_write", "nixl_cancel"
@@ -425,11 +429,12 @@ class CoreNixlPlane:
         is; the core drops it at the deadline too, but only between steps, after this side
         has seen the deadline), else UnavailableError."""
         try:
-            await self._withdraw(xfer_id, ended)
+            async with asyncio.timeout(_WITHDRAW_LATE_S):  # a core that does not answer
+                await self._withdraw(xfer_id, ended)
         except WriteNotStarted:
             raise WriteNotStarted(f"KV write to agent {agent} not started by its deadline: its "
                                   "KV was not computed by then") from None
-        except UnavailableError:
+        except (UnavailableError, TimeoutError):
             logger.warning("KV write %d to agent %s: neither its end nor the receiver's "
                            "confirmation came by its deadline", xfer_id, agent)
             raise UnavailableError(f"KV write to agent {agent} did not complete") from None
