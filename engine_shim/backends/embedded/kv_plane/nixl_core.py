@@ -62,6 +62,12 @@ _EARLY_KEEP_S = 120.0
 # one this slow is stuck, and its send fails at its deadline (the log says which side waited).
 _SLOW_S = 1.0
 
+# A write whose send is still computing waits in the core (parked) until this long before
+# its deadline (half its time where that is shorter), then ends NOT_STARTED: its sender can
+# then abandon the claim (and hold the reservation, then claim again once the KV is there)
+# before the receiver's own deadline fences the pages.
+PARK_MARGIN_S = 2.0
+
 # A write past its deadline is withdrawn (to learn whether it was only parked); a core that
 # does not answer within this long fails the send as before.
 _WITHDRAW_LATE_S = 2.0
@@ -91,7 +97,7 @@ class _Parked(NamedTuple):
     send: HeldSlots
     remote: np.ndarray
     tag: bytes
-    deadline: float
+    park_until: float
     since: float
 
 
@@ -114,7 +120,8 @@ class NixlSide:
     A write of a held send that is still computing is parked and posted in the first loop
     turn that finds the send's KV written (the shim claims the receiver's slots while the
     engine computes, so the write starts without another message from it); it ends
-    NOT_STARTED if the send ends first or its deadline passes while parked."""
+    NOT_STARTED if the send ends first or it is still parked at `park_until` (the write's
+    deadline less PARK_MARGIN_S)."""
 
     ops = frozenset({_EXPECT, _FORGET, _LOAD, _DROP, _WRITE, _CANCEL})
 
@@ -184,28 +191,28 @@ class NixlSide:
         return None
 
     def _start_write(self, xfer_id: int, offer: NixlOffer, local: np.ndarray | HeldSlots,
-                     remote: np.ndarray, tag: bytes, deadline: float = math.inf) -> None:
+                     remote: np.ndarray, tag: bytes, park_until: float = math.inf) -> None:
         if isinstance(local, HeldSlots):
             is_ready = self._core.send_is_ready(local.request_id)
             if is_ready is None:
                 self._ended.append(("write", xfer_id, NOT_STARTED, "the send has ended"))
                 return
             if not is_ready:
-                self._parked[xfer_id] = _Parked(offer, local, remote, tag, deadline, time.monotonic())
+                self._parked[xfer_id] = _Parked(offer, local, remote, tag, park_until, time.monotonic())
                 return
         self._post(xfer_id, offer, local, remote, tag)
 
     def _post_parked(self) -> None:
         now = time.monotonic()
-        for xfer_id, (offer, local, remote, tag, deadline, _) in list(self._parked.items()):
+        for xfer_id, (offer, local, remote, tag, park_until, _) in list(self._parked.items()):
             is_ready = self._core.send_is_ready(local.request_id)
-            if is_ready is None or now > deadline:
+            if is_ready is None or now > park_until:
                 del self._parked[xfer_id]
-                why = "the send has ended" if is_ready is None else "its deadline passed"
-                if is_ready is not None:
-                    logger.warning("dropped a KV write of send %s: its KV was not ready by the "
-                                   "write's deadline (%s)", local.request_id,
-                                   self._core.describe_send(local.request_id))
+                why = "the send has ended" if is_ready is None else "its deadline nears"
+                if is_ready is not None:  # the sender claims again once the KV is there
+                    logger.info("gave up a KV write of send %s as its deadline nears: its KV "
+                                "was not ready (%s)", local.request_id,
+                                self._core.describe_send(local.request_id))
                 self._ended.append(("write", xfer_id, NOT_STARTED, why))
             elif is_ready:
                 del self._parked[xfer_id]
@@ -393,9 +400,10 @@ class CoreNixlPlane:
         self._writes[xfer_id] = ended
         is_over = False  # ended here, or landed at the peer
         waits: set[asyncio.Future[Any]] = {ended, peer} if stop is None else {ended, peer, stop}
+        park_until = deadline - min(PARK_MARGIN_S, (deadline - time.monotonic()) / 2)
         try:
             self._engine.submit_side(_WRITE, xfer_id, offer, local_slots, remote_slots, tag,
-                                     deadline)
+                                     park_until)
             while not ended.done():
                 if peer.done():
                     if not peer_landed():

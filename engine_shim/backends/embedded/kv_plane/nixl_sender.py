@@ -144,30 +144,19 @@ async def _write_early(
     the core and starts in the first loop turn after the KV is written, so neither the
     claim's round trip nor a message from here after the computation is on the send's path.
     The open claim holds the receiver's reservation. When the engine still computes as the
-    claim's deadline nears (_claim_margin_s before it, so the abandon reaches the receiver
-    before its own deadline fences the pages), `hold` opens (the reservation then outlives
-    the engine's queue), the claim is abandoned (nothing was written) and made again once
-    the KV is there. A send that fails or is cancelled gives the write up before `held` lets
-    the send's pages go, and abandons the claim when nothing was posted, so the receiver
-    does not fence its pages."""
-    loop = asyncio.get_running_loop()
-    stop: asyncio.Future[None] = loop.create_future()
-    is_computed = False
-
-    def wait_no_longer() -> None:
-        if not is_computed and not stop.done():
-            hold.open()  # before the abandon: the reservation must outlive it
-            stop.set_result(None)
-
+    claim's deadline nears, the core gives the write up (nixl_core.PARK_MARGIN_S before it,
+    so the abandon reaches the receiver before its own deadline fences the pages): `hold`
+    opens (the reservation then outlives the engine's queue), the claim is abandoned
+    (nothing was written) and made again once the KV is there. A send that fails or is
+    cancelled gives the write up before `held` lets the send's pages go, and abandons the
+    claim when nothing was posted, so the receiver does not fence its pages."""
+    stop: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     marks = _Marks()
     attempt = asyncio.ensure_future(_claim_and_write(
-        peers, plane, addr, offer, local, remote, write_timeout_s, marks, stop=stop
+        peers, plane, addr, offer, local, remote, write_timeout_s, marks, stop=stop, hold=hold
     ))
-    timer = loop.call_later(write_timeout_s - _claim_margin_s(write_timeout_s), wait_no_longer)
     try:
         async with held:
-            is_computed = True
-            timer.cancel()
             computed = time.perf_counter()
             try:
                 try:
@@ -183,15 +172,7 @@ async def _write_early(
             times.settle(started, computed, marks)
             return num_bytes
     finally:
-        timer.cancel()
         await _give_up(attempt, stop)  # the send failed before its KV was computed
-
-
-def _claim_margin_s(write_timeout_s: float) -> float:
-    """How long before its deadline an early claim still waiting for the KV is given up:
-    time for withdrawing the parked write (a core round trip, between steps) and for the
-    abandon to reach the receiver."""
-    return min(_ABANDON_TIMEOUT_S, write_timeout_s / 2)
 
 
 async def _give_up(attempt: asyncio.Future[int], stop: asyncio.Future[None]) -> None:
@@ -217,10 +198,13 @@ async def _claim_and_write(
     marks: _Marks,
     *,
     stop: asyncio.Future[None] | None = None,
+    hold: Hold | None = None,
 ) -> int:
     """Claim the reservation (WriteKV), write once the receiver is ready, return once it
     confirms; bytes written. `stop`, once set, gives the write up: WriteNotStarted (the
-    claim abandoned, nothing to fence) when nothing of it was posted."""
+    claim abandoned, nothing to fence) when nothing of it was posted. A write the plane
+    gives up so by itself (its KV not computed as the deadline nears) opens `hold` before
+    the claim is abandoned: the send goes on."""
     deadline = time.monotonic() + write_timeout_s  # before the claim leaves: the receiver
     request = engine_pb2.WriteKVRequest(  # fences from its arrival, which is later
         request_id=addr.request_id,
@@ -254,6 +238,8 @@ async def _claim_and_write(
         marks.done = time.perf_counter()
         return num_bytes
     except WriteNotStarted:
+        if hold is not None and (stop is None or not stop.done()):
+            hold.open()  # before the abandon: the reservation must outlive it
         await _abandon(peers, addr, plane.name, call, pending[-1])
         raise
     except UnavailableError:
