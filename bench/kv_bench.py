@@ -132,6 +132,7 @@ async def run(
     paths: tuple[str, ...] = ALL_PATHS,
     engine_process: str = "auto",
     receiver_load: int = 0,
+    load_via: str = "start-generate",
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
     # shared memory) between two Python processes. D has no prefix-cache hit: every run
@@ -150,7 +151,7 @@ async def run(
         counted = tuple(dict.fromkeys([*paths, "grpc"]))  # the cold runs go over gRPC
         num_sent: dict[str, int] = {path: 0 for path in counted}
         rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent,
-                              receiver_load)
+                              receiver_load, load_via)
         await asyncio.sleep(0.5)  # P's log reaches its file through a pipe and a thread
         log = p.output()
         logged = _paths_logged(log, counted)
@@ -175,6 +176,7 @@ async def _measure(
     paths: tuple[str, ...],
     num_sent: dict[str, int],
     receiver_load: int = 0,
+    load_via: str = "start-generate",
 ) -> list[dict[str, object]]:
     """Rows per size; `num_sent` counts the RemoteSends made per path."""
     rows = []
@@ -183,8 +185,11 @@ async def _measure(
         create_channel(d_address, TransportSettings()) as dc,
     ):
         p_stub, d_stub = engine_pb2_grpc.EngineStub(pc), engine_pb2_grpc.EngineStub(dc)
-        load = [asyncio.ensure_future(_keep_generating(d_stub, f"load-{i}"))
-                for i in range(receiver_load)]
+        if load_via == "stream":
+            load = [asyncio.ensure_future(_keep_generating_on_stream(d_stub, receiver_load))]
+        else:
+            load = [asyncio.ensure_future(_keep_generating(d_stub, f"load-{i}"))
+                    for i in range(receiver_load)]
         try:
             rows = await _measure_sizes(p_stub, d_stub, model, device, token_counts, paths,
                                         num_sent)
@@ -194,6 +199,7 @@ async def _measure(
             await asyncio.gather(*load, return_exceptions=True)
         for row in rows:
             row["receiver_load"] = receiver_load
+            row["receiver_load_via"] = load_via
     return rows
 
 
@@ -207,6 +213,39 @@ async def _keep_generating(d_stub, name: str) -> None:
         )
         async for _ in d_stub.StartGenerate(request):
             pass
+
+
+async def _keep_generating_on_stream(d_stub, num_running: int) -> None:
+    """`num_running` greedy generations on D at a time, as a router runs them: on one
+    Engine.Generate stream, whose messages carry every request's output of a step (not a
+    StartGenerate call per request, a message per token each); each one that ends is
+    replaced, until cancelled."""
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=256, ignore_eos=True)
+    starts: asyncio.Queue[engine_pb2.EngineGenerateRequest] = asyncio.Queue()
+    next_id = 0
+
+    def start() -> None:
+        nonlocal next_id
+        request = engine_pb2.StartGenerateRequest(
+            request_id=f"stream-load-{next_id}", sampling=sampling,
+            token_ids=[(7 * j + next_id) % 256 for j in range(32)],
+        )
+        next_id += 1
+        starts.put_nowait(engine_pb2.EngineGenerateRequest(start=request))
+
+    async def requests():
+        while True:
+            yield await starts.get()
+
+    for _ in range(num_running):
+        start()
+    call = d_stub.Generate(requests())
+    async for message in call:
+        for output in message.outputs:
+            if output.HasField("error"):
+                raise RuntimeError(f"receiver load failed: {output.error.message}")
+            if output.HasField("usage"):
+                start()
 
 
 async def _measure_sizes(
@@ -276,6 +315,11 @@ def main() -> None:
                         help="the shims' --engine-process")
     parser.add_argument("--receiver-load", type=int, default=0,
                         help="greedy generations kept running on D through the sends")
+    parser.add_argument("--receiver-load-via", choices=("start-generate", "stream"),
+                        default="start-generate",
+                        help="the load's calls: a StartGenerate each (a message per token "
+                             "each), or one Engine.Generate stream as a router runs them "
+                             "(every request's output of a step in one message)")
     args = parser.parse_args()
     paths = tuple(args.paths)
     if "nixl" in paths:
@@ -287,7 +331,7 @@ def main() -> None:
             paths = tuple(p for p in paths if p != "nixl")
     rows = asyncio.run(
         run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths,
-            args.engine_process, args.receiver_load)
+            args.engine_process, args.receiver_load, args.receiver_load_via)
     )
     print(
         json.dumps(
