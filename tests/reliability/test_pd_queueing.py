@@ -193,14 +193,14 @@ async def test_a_hold_keeps_a_reservation_past_its_ttl_until_the_hold_ends(stack
     assert await wait_until(is_reclaimed, timeout_s=TTL_S + 10) is not None
 
 
-WRITE_TIMEOUT_S = 1.0
+WRITE_TIMEOUT_S = 2.0  # the claim is given up half of it (1 s) before its deadline
 
 
 @pytest.fixture(scope="module")
 def core_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
     """As `stack`, with P's engine core in a process of its own (as on a GPU): its NIXL agent
     sits beside the core, so P claims D's reservation as each send begins, and a claim's
-    deadline (1 s here) can pass while the send still queues."""
+    deadline (2 s here) can pass while the send still queues."""
     if load_nixl()[0] is None:
         pytest.skip(f"NIXL does not load here: {load_nixl()[1]}")
     logs = tmp_path_factory.mktemp("pd-queueing-core")
@@ -222,13 +222,21 @@ async def test_a_send_queued_past_its_claims_deadline_keeps_the_reservation(
     reservation outlives the queue (longer than the claim's deadline and D's TTL together),
     and P claims again once the KV is computed."""
     prefill, decode = core_stack["prefill"], core_stack["decode"]
-    blocker = asyncio.ensure_future(_occupy(prefill.address, "blocker", LONG_BLOCKER_TOKENS))
+    # Two long generations ahead of the send (a core of its own decodes one in a few seconds,
+    # so one might end before the send has waited long enough); cancelled after the wait.
+    blockers = [asyncio.ensure_future(_occupy(prefill.address, "blocker", LONG_BLOCKER_TOKENS))]
     await _wait_running(prefill.address)
-    sent = asyncio.ensure_future(_send(core_stack["router"], "queued-early", list(range(20, 120))))
+    blockers.append(asyncio.ensure_future(_occupy(prefill.address, "blocker-2", LONG_BLOCKER_TOKENS)))
     await _wait_waiting(prefill.address)
-    await asyncio.sleep(WRITE_TIMEOUT_S + TTL_S * 4)
-    assert not blocker.done()
-    blocker.cancel()
+    sent = asyncio.ensure_future(_send(core_stack["router"], "queued-early", list(range(20, 120))))
+
+    async def both_queued() -> bool:
+        return (await engine_status(prefill.address)).num_waiting_requests >= 2
+
+    assert await wait_until(both_queued, timeout_s=60) is not None
+    await asyncio.sleep(WRITE_TIMEOUT_S + TTL_S * 2)
+    for blocker in blockers:
+        blocker.cancel()
     record = await sent
     assert record.error is None and not record.rpc_error, (record.error, record.rpc_error)
     assert record.done is not None and len(record.token_ids) == 8
