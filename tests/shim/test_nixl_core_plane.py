@@ -100,6 +100,27 @@ async def test_a_write_past_its_deadline_is_withdrawn_and_says_whether_it_starte
     assert core.ops == ["nixl_write", "nixl_cancel"]
 
 
+async def test_a_write_given_up_over_a_core_that_does_not_answer_fails_within_its_bound() -> None:
+    """A send that ends (`stop`) withdraws its write; a core that never answers the withdrawal
+    (stuck in a step, or gone) fails the write after a bounded wait instead of holding the
+    send open."""
+    core = _BusyCore(was_parked=None)
+    plane = CoreNixlPlane(core, OFFER)  # type: ignore[arg-type]
+    loop = asyncio.get_running_loop()
+    peer: asyncio.Future[str] = loop.create_future()
+    stop: asyncio.Future[None] = loop.create_future()
+    write = asyncio.ensure_future(plane.write(
+        OFFER, HeldSlots("req", 0), np.arange(8, dtype=np.int64), b"tag",
+        deadline=time.monotonic() + 60, peer=peer, peer_landed=lambda: False, stop=stop,
+    ))
+    await asyncio.sleep(0.05)
+    stop.set_result(None)
+    with pytest.raises(UnavailableError) as ended:
+        await asyncio.wait_for(write, 10)
+    assert not isinstance(ended.value, WriteNotStarted)
+    assert core.ops == ["nixl_write", "nixl_cancel"]
+
+
 @pytest.mark.skipif(load_nixl()[0] is None, reason="NIXL cannot load here")
 async def test_a_write_given_up_while_parked_abandons_its_claim_unfenced(decode_shim) -> None:
     channel, stub = engine_stub(decode_shim.address)

@@ -68,9 +68,10 @@ _SLOW_S = 1.0
 # before the receiver's own deadline fences the pages.
 PARK_MARGIN_S = 2.0
 
-# A write past its deadline is withdrawn (to learn whether it was only parked); a core that
-# does not answer within this long fails the send as before.
-_WITHDRAW_LATE_S = 2.0
+# A write given up (its send ended, or its deadline passed) is withdrawn from the core, which
+# says whether it was only parked; a core that does not answer within this long (stuck in a
+# step, or gone) counts as one that had posted it: the write fails, its pages fenced.
+_WITHDRAW_S = 2.0
 
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
@@ -437,12 +438,11 @@ class CoreNixlPlane:
         is; the core drops it at the deadline too, but only between steps, after this side
         has seen the deadline), else UnavailableError."""
         try:
-            async with asyncio.timeout(_WITHDRAW_LATE_S):  # a core that does not answer
-                await self._withdraw(xfer_id, ended)
+            await self._withdraw(xfer_id, ended)
         except WriteNotStarted:
             raise WriteNotStarted(f"KV write to agent {agent} not started by its deadline: its "
                                   "KV was not computed by then") from None
-        except (UnavailableError, TimeoutError):
+        except UnavailableError:
             logger.warning("KV write %d to agent %s: neither its end nor the receiver's "
                            "confirmation came by its deadline", xfer_id, agent)
             raise UnavailableError(f"KV write to agent {agent} did not complete") from None
@@ -450,10 +450,11 @@ class CoreNixlPlane:
     async def _withdraw(self, xfer_id: int, ended: asyncio.Future[tuple[str, str]]) -> None:
         """Give a write up; raises WriteNotStarted when nothing of it was posted (it was still
         parked, or the core had dropped it so: that event comes before the call's answer),
-        else UnavailableError (the core has cancelled it)."""
+        else UnavailableError (the core has cancelled it, or did not answer in _WITHDRAW_S)."""
         try:
-            was_parked = await self._engine.call_side(_CANCEL, xfer_id)
-        except EngineError:
+            async with asyncio.timeout(_WITHDRAW_S):
+                was_parked = await self._engine.call_side(_CANCEL, xfer_id)
+        except (EngineError, TimeoutError):
             was_parked = False
         if was_parked or ended.done() and ended.result()[0] == NOT_STARTED:
             raise WriteNotStarted("KV write withdrawn before it started")
