@@ -1,8 +1,8 @@
 """The sending side of a NIXL write: keeping the receiver's reservation alive however long
 the engine queues the send (an open claim or a HoldKV, hold.py), and with the send's pages
-held once computed, claim the receiver's reservation over KVTransfer.WriteKV (quoting the offer it writes by and a deadline), write the
-pages straight into the reserved slots once the receiver says ready, and return once it says
-the notification arrived. Writes go only to an agent that this authenticated peer confirmed
+held once computed, claim the receiver's reservation over KVTransfer.WriteKV (quoting the
+offer it writes by and a deadline), write the pages straight into the reserved slots once
+the receiver says ready, and return once it says the notification arrived. Writes go only to an agent that this authenticated peer confirmed
 for this reservation, only into the slots it reserved."""
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ async def write_kv(
     `hold_timeout_s`): under a HoldKV from the start; or, where the plane reads the slots
     itself (the agent beside the engine core), under the claim, which goes out at once (the
     write starts in the core the moment the KV is computed: _write_early), and a HoldKV only
-    if the claim's deadline passes first. Raises UnavailableError when the peer or its agent
+    if the claim is given up as its deadline nears. Raises UnavailableError when the peer or its agent
     fails, or the write does not land within `write_timeout_s` of its claim."""
     offer = addr.nixl
     if offer is None:
