@@ -2,8 +2,9 @@
 the engine queues the send (an open claim or a HoldKV, hold.py), and with the send's pages
 held once computed, claim the receiver's reservation over KVTransfer.WriteKV (quoting the
 offer it writes by and a deadline), write the pages straight into the reserved slots once
-the receiver says ready, and return once it says the notification arrived. Writes go only to an agent that this authenticated peer confirmed
-for this reservation, only into the slots it reserved."""
+the receiver says ready, and return once it says the notification arrived. Writes go only
+to an agent that this authenticated peer confirmed for this reservation, only into the
+slots it reserved."""
 
 from __future__ import annotations
 
