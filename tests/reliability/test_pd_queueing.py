@@ -12,6 +12,7 @@ import asyncio
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -37,19 +38,24 @@ TTL_S = 0.5
 LONG_BLOCKER_TOKENS = 1800  # longer than any test waits: ended by cancelling it
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
-    logs = tmp_path_factory.mktemp("pd-queueing")
-    # One sequence at a time on P: a send job queues behind whatever P is running. P sends
-    # on its default transport (NIXL where it loads, else shared memory or KVTransfer): each
-    # holds the decode side's reservation from the moment the send begins, before P queues.
-    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", prefix="p")
+def _pd_stack(logs: Path, *prefill_args: str) -> Iterator[dict[str, Service]]:
+    """P running one sequence at a time (a send job queues behind whatever P is running),
+    D with a TTL of TTL_S, and a disagg router over them."""
+    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", *prefill_args, prefix="p")
     (decode,) = start_shims(logs, ["decode"], "--reservation-ttl-s", str(TTL_S), prefix="d")
     router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
                           "--pattern", "disagg", "--health-interval-s", "0.2")
     services = {"prefill": prefill, "decode": decode, "router": router}
     yield services
     stop_all(services.values())
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
+    # P sends on its default transport (NIXL where it loads, else shared memory or
+    # KVTransfer): each holds the decode side's reservation from the moment the send begins,
+    # before P queues.
+    yield from _pd_stack(tmp_path_factory.mktemp("pd-queueing"))
 
 
 async def _occupy(address: str, request_id: str, num_tokens: int) -> int:
@@ -71,9 +77,9 @@ async def _send(router: Service, request_id: str, prompt: list[int]) -> Tracked:
         return await track(stub, new, Tracked(request_id, []))
 
 
-async def _wait_waiting(address: str) -> None:
+async def _wait_waiting(address: str, num_waiting: int = 1) -> None:
     async def is_waiting() -> bool:
-        return (await engine_status(address)).num_waiting_requests > 0
+        return (await engine_status(address)).num_waiting_requests >= num_waiting
 
     assert await wait_until(is_waiting, timeout_s=60) is not None
 
@@ -201,17 +207,11 @@ def core_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, S
     """As `stack`, with P's engine core in a process of its own (as on a GPU): its NIXL agent
     sits beside the core, so P claims D's reservation as each send begins, and a claim's
     deadline (2 s here) can pass while the send still queues."""
-    if load_nixl()[0] is None:
-        pytest.skip(f"NIXL does not load here: {load_nixl()[1]}")
-    logs = tmp_path_factory.mktemp("pd-queueing-core")
-    (prefill,) = start_shims(logs, ["prefill"], "--max-num-seqs", "1", "--engine-process", "on",
-                             "--kv-write-timeout-s", str(WRITE_TIMEOUT_S), prefix="p")
-    (decode,) = start_shims(logs, ["decode"], "--reservation-ttl-s", str(TTL_S), prefix="d")
-    router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
-                          "--pattern", "disagg", "--health-interval-s", "0.2")
-    services = {"prefill": prefill, "decode": decode, "router": router}
-    yield services
-    stop_all(services.values())
+    module, reason = load_nixl()
+    if module is None:
+        pytest.skip(f"NIXL does not load here: {reason}")
+    yield from _pd_stack(tmp_path_factory.mktemp("pd-queueing-core"), "--engine-process", "on",
+                         "--kv-write-timeout-s", str(WRITE_TIMEOUT_S))
 
 
 async def test_a_send_queued_past_its_claims_deadline_keeps_the_reservation(
@@ -229,11 +229,7 @@ async def test_a_send_queued_past_its_claims_deadline_keeps_the_reservation(
     blockers.append(asyncio.ensure_future(_occupy(prefill.address, "blocker-2", LONG_BLOCKER_TOKENS)))
     await _wait_waiting(prefill.address)
     sent = asyncio.ensure_future(_send(core_stack["router"], "queued-early", list(range(20, 120))))
-
-    async def both_queued() -> bool:
-        return (await engine_status(prefill.address)).num_waiting_requests >= 2
-
-    assert await wait_until(both_queued, timeout_s=60) is not None
+    await _wait_waiting(prefill.address, 2)
     await asyncio.sleep(WRITE_TIMEOUT_S + TTL_S * 2)
     for blocker in blockers:
         blocker.cancel()

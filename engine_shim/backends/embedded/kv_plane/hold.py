@@ -3,8 +3,8 @@ for longer than the receiver's reservation lives keeps it alive with a hold; the
 keeps the reservation (its ticket and the engine's pages) from expiring while any hold is
 open. A sender whose agent sits beside the engine core claims the reservation (WriteKV) as
 its RemoteSend begins, and an open claim holds it too, so it opens a hold only when that
-claim's deadline passes before the KV is computed (nixl_sender.py); one that claims only once
-the KV is computed holds from the start. A PushKV claims at once by itself and needs none."""
+claim is given up as its deadline nears with the KV not yet computed (nixl_sender.py); one
+that claims only once the KV is computed holds from the start. A PushKV claims at once by itself and needs none."""
 
 from __future__ import annotations
 
@@ -78,10 +78,6 @@ class Hold:
         self._timeout_s = timeout_s
         self._call: aio.UnaryStreamCall | None = None
         self._watcher: asyncio.Future[None] | None = None
-
-    @property
-    def is_open(self) -> bool:
-        return self._call is not None
 
     def open(self) -> None:
         if self._call is not None:

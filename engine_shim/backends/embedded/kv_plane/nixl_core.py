@@ -435,8 +435,8 @@ class CoreNixlPlane:
                              agent: str) -> None:
         """A write whose deadline passed: withdrawn. WriteNotStarted when it was still parked
         (the send's KV not computed by then: the caller may claim again and write once it
-        is; the core drops it at the deadline too, but only between steps, after this side
-        has seen the deadline), else UnavailableError."""
+        is; the core gives such a write up at `park_until`, but only between steps, so a
+        step longer than the margin can leave one parked here), else UnavailableError."""
         try:
             await self._withdraw(xfer_id, ended)
         except WriteNotStarted:

@@ -93,8 +93,8 @@ async def write_kv(
     `hold_timeout_s`): under a HoldKV from the start; or, where the plane reads the slots
     itself (the agent beside the engine core), under the claim, which goes out at once (the
     write starts in the core the moment the KV is computed: _write_early), and a HoldKV only
-    if the claim is given up as its deadline nears. Raises UnavailableError when the peer or its agent
-    fails, or the write does not land within `write_timeout_s` of its claim."""
+    if the claim is given up as its deadline nears. Raises UnavailableError when the peer or
+    its agent fails, or the write does not land within `write_timeout_s` of its claim."""
     offer = addr.nixl
     if offer is None:
         raise UnavailableError("the receiver made no NIXL offer")
