@@ -26,6 +26,8 @@ class BackendInfo:
     vocab_size: int
     max_context_length: int
     kv_layout: KVLayout | None  # None when the backend does not expose it (MLC)
+    # wait_for_kv is served: a start may wait for its reservation's KV transfer
+    starts_after_kv: bool = False
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,12 @@ class Backend(Protocol):
         """`generate` with each output handed to `on_output` as it comes (the multiplexed
         Engine.Generate path); returns once the request finished, raises when it failed.
         Cancelling it aborts the request."""
+        ...
+
+    async def wait_for_kv(self, request_id: str) -> None:
+        """Returns once the KV transfer into the request's PrepRecv reservation has completed
+        (StartGenerateRequest.after_kv_transfer); FailedPreconditionError if the reservation
+        ends without it. Only where `info.starts_after_kv`."""
         ...
 
     async def abort(self, request_id: str) -> bool: ...

@@ -15,7 +15,12 @@ from engine_shim.convert import (
     send_result_to_pb,
     status_to_pb,
 )
-from engine_shim.engine.api import GenerateOutput, SamplingParams, UnavailableError
+from engine_shim.engine.api import (
+    GenerateOutput,
+    InvalidRequestError,
+    SamplingParams,
+    UnavailableError,
+)
 from engine_shim.errors import map_errors
 from engine_shim.multiplex import GenerateMultiplexer
 from engine_shim.requests import RequestTracker
@@ -144,9 +149,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         to `on_output` as the backend delivers them. Cancelling it aborts the request."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin = validation.start_generate_begin(request.begin, len(tokens))
+        self._check_after_kv(request)
         self._tracker.begin_generate(request.request_id, begin)
         try:
             with _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)):
+                if request.after_kv_transfer:
+                    await self._backend.wait_for_kv(request.request_id)
                 await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output)
         finally:
             self._tracker.end_generate(request.request_id)
@@ -158,9 +166,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         the first iteration); closing the generator early aborts the request."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin = validation.start_generate_begin(request.begin, len(tokens))
+        self._check_after_kv(request)
         self._tracker.begin_generate(request.request_id, begin)
         span = _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)).start()
         try:
+            if request.after_kv_transfer:
+                await self._backend.wait_for_kv(request.request_id)
             outputs = self._backend.generate(request.request_id, tokens, begin, sampling)
             try:
                 async for output in outputs:
@@ -170,6 +181,11 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             span.end()
             self._tracker.end_generate(request.request_id)
+
+    def _check_after_kv(self, request: engine_pb2.StartGenerateRequest) -> None:
+        if request.after_kv_transfer and not self._backend.info.starts_after_kv:
+            raise InvalidRequestError(
+                f"after_kv_transfer: the {self._backend.info.name} backend cannot start after a KV transfer")
 
     @map_errors
     async def Abort(
@@ -200,6 +216,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
             is_draining=self.is_draining,
         )
         response.serves_stream_calls = True  # Generate below takes prep_recv and remote_send
+        response.starts_after_kv_transfer = info.starts_after_kv
         return response
 
 

@@ -56,6 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-stream", action=argparse.BooleanOptionalAction, default=None,
         help="decode over one multiplexed Engine.Generate stream per engine (default), or "
         "--no-engine-stream: one StartGenerate call per request")
+    add("--start-after-kv", action=argparse.BooleanOptionalAction, default=None,
+        help="disaggregation: start the decode engine's request with the prefill engine's RemoteSend, "
+        "to begin as the KV lands (default), or --no-start-after-kv: after RemoteSend returns")
     add("--token", help="shared bearer token for every hop (prefer MICROSERVING_ROUTER_TOKEN: flags show in ps)")
     add("--tls-cert", help="PEM certificate of this router (serves TLS; client cert to engines)")
     add("--tls-key", help="PEM key of --tls-cert")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -142,6 +142,28 @@ def decode(engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attemp
     if not attempt.use_engine_stream or not stream.is_supported:
         return start_generate(engines, endpoint, job, attempt, begin)
     return StreamedDecode(engines, endpoint, stream, _start_message(endpoint, job, attempt, begin))
+
+
+def starts_after_kv(engines: Engines, endpoint: Endpoint, attempt: Attempt) -> bool:
+    """Whether the decode on `endpoint` can start with the sender's RemoteSend instead of
+    after it (decode_after): the setting allows it, the attempt decodes on the engine's
+    stream and the engine says it serves StartGenerateRequest.after_kv_transfer."""
+    if not engines.settings.start_after_kv or not attempt.use_engine_stream:
+        return False
+    status = endpoint.status
+    return engines.stream(endpoint).is_supported and status is not None and status.starts_after_kv_transfer
+
+
+def decode_after(
+    engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt, begin: int,
+    send: Callable[[], Awaitable[None]],
+) -> StreamedDecode[Any]:
+    """The decode step, not yet started, whose start waits on the engine for its
+    reservation's KV (after_kv_transfer); `send` (the RemoteSend that brings the KV) runs
+    beside it, and its failure fails the decode (which then cancels it on the engine)."""
+    message = _start_message(endpoint, job, attempt, begin)
+    message.after_kv_transfer = True
+    return StreamedDecode(engines, endpoint, engines.stream(endpoint), message, after=send)
 
 
 def _start_message(

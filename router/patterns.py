@@ -38,21 +38,36 @@ async def _disagg_with_factor(
     engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt, factor: float,
     decode: Endpoint, prefill: Endpoint | None,
 ) -> Decode:
-    """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D)."""
+    """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D); the last
+    two at once where D can start after the KV transfer (engine_calls.decode_after)."""
     prompt = job.token_ids
     if prefill is None or prefill.address == decode.address or len(prompt) < 2:
         return calls.decode(engines, decode, job, attempt, 0)
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
     kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, end)
-    if matched < decode_start:
+    salt = job.sampling.cache_salt
+
+    def record() -> None:
+        placement.prefix_index.record(prefill.address, prompt[:decode_start], salt)
+        placement.prefix_index.record(decode.address, prompt, salt)
+
+    if matched >= decode_start:
+        record()
+        return calls.decode(engines, decode, job, attempt, decode_start)
+
+    async def send() -> None:
         await calls.remote_send(
             engines, prefill, job, attempt, begin=matched, end=end, kv_addr_info=kv_addr_info,
             recv_rank=engines.device_id_start(decode.address), receiver=decode.address,
         )
-    salt = job.sampling.cache_salt
-    placement.prefix_index.record(prefill.address, prompt[:decode_start], salt)
-    placement.prefix_index.record(decode.address, prompt, salt)
+        record()
+
+    if calls.starts_after_kv(engines, decode, attempt):
+        # D's start goes out with P's RemoteSend and begins as the KV lands in D: no round
+        # trip through P's answer and this router between the KV and D's first step.
+        return calls.decode_after(engines, decode, job, attempt, decode_start, send)
+    await send()
     return calls.decode(engines, decode, job, attempt, decode_start)
 
 

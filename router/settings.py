@@ -77,6 +77,12 @@ class RouterSettings(BaseSettings):
         description="Built-in patterns decode over one multiplexed Engine.Generate stream per engine; "
         "false: one StartGenerate call per request.",
     )
+    start_after_kv: bool = Field(
+        default=True,
+        description="Disaggregation: start the decode engine's request together with the prefill "
+        "engine's RemoteSend, to begin as the KV lands (on the engine stream, where the decode "
+        "engine serves StartGenerateRequest.after_kv_transfer); false: after RemoteSend returns.",
+    )
     kv_full_wait_s: float = Field(
         default=5.0, ge=0,
         description="When every engine's KV cache is full, how long a new request waits for room "

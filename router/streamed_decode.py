@@ -10,7 +10,7 @@ cancelled on the engine.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
 import grpc
@@ -20,6 +20,7 @@ from microserving.v1 import engine_pb2
 from router.deadlines import StageDeadline
 from router.endpoint import STAGE_DECODE, Endpoint
 from router.engines import Engines, EngineStream
+from router.errors import EngineCallError
 
 T = TypeVar("T")
 _STAGE = "start_generate"
@@ -31,8 +32,13 @@ class StreamedDecode(Generic[T]):
     finishes (-> None) or fails (EngineCallError)."""
 
     def __init__(self, engines: Engines, endpoint: Endpoint, stream: EngineStream,
-                 request: engine_pb2.StartGenerateRequest) -> None:
+                 request: engine_pb2.StartGenerateRequest,
+                 after: Callable[[], Awaitable[None]] | None = None) -> None:
+        """`after`: the call that brings the request's KV (a RemoteSend), for a start that
+        waits for it on the engine (after_kv_transfer): run beside the decode from its start;
+        its failure is the decode's."""
         self._engines = engines
+        self._after = after
         self._endpoint = endpoint
         self._stream = stream
         self._request = request
@@ -40,6 +46,10 @@ class StreamedDecode(Generic[T]):
         self._result: asyncio.Future[T | None] | None = None
         self._is_ended = False  # the engine ended the request (finished or failed)
         self._deadline: StageDeadline | None = None
+        self._has_output = False
+        self._sending: asyncio.Future[None] | None = None  # `after`, running
+        # this engine's failure while the sender still ran: the decode's unless the send fails
+        self._held_error: EngineCallError | None = None
 
     @property
     def request_id(self) -> str:
@@ -51,20 +61,47 @@ class StreamedDecode(Generic[T]):
         self._result = asyncio.get_running_loop().create_future()
         self._deadline = StageDeadline(settings.first_token_timeout_s, settings.inter_token_timeout_s,
                                        self._expire)
-        self._deadline.waiting()
+        if self._after is None:
+            self._deadline.waiting()
+        # else the first-token clock starts once the KV's sender has returned: until then the
+        # wait is the sender's (under its own deadline), not this engine's
         self._endpoint.acquire(STAGE_DECODE)
+        # The KV's sender first: its engine's work is the longer way to the first token.
+        after = self._sending = asyncio.ensure_future(self._after()) if self._after is not None else None
+        if after is not None:
+            after.add_done_callback(self._after_done)
+        is_done = False
         try:
             try:
                 await self._stream.start(self._request, self)
             except grpc.aio.AioRpcError as exc:
                 self._is_ended = True
                 raise self._engines.call_failed(exc, self._endpoint.address, _STAGE) from exc
-            return await self._result
+            value = await self._result
+            is_done = True
+            return value
         finally:
             self._deadline.stop()
             self._endpoint.release(STAGE_DECODE)
             if not self._is_ended:
                 self._stream.cancel(self.request_id)  # aborts the engine request
+            if after is not None:
+                await _settle(after, is_done)
+
+    def _after_done(self, after: asyncio.Future[None]) -> None:
+        """The KV's sender ended: a failure ends the decode with its error."""
+        if after.cancelled():
+            return
+        error = after.exception()
+        result = self._result
+        if result is None or result.done():
+            return
+        if error is not None:
+            result.set_exception(error)
+        elif self._held_error is not None:
+            result.set_exception(self._held_error)
+        elif not self._has_output and self._deadline is not None:
+            self._deadline.waiting()
 
     def deliver(self, output: engine_pb2.GenerateOutput) -> bool:
         """One output from the engine (in the stream's reader task); True when it was the
@@ -76,12 +113,20 @@ class StreamedDecode(Generic[T]):
             return is_last  # run() is ending; an unfinished request is cancelled there
         deadline = self._deadline
         assert deadline is not None and self._on_output is not None  # set by run() before the start
+        self._has_output = True
         deadline.arrived()
         deadline.waiting()  # the engine owes the next output from now
         if output.HasField("error"):
             error = output.error
-            result.set_exception(self._engines.call_failed_with(
-                status_code(error.code), error.message, self._endpoint.address, _STAGE))
+            failure = self._engines.call_failed_with(
+                status_code(error.code), error.message, self._endpoint.address, _STAGE)
+            sending = self._sending
+            if sending is not None and not sending.done():
+                # A start waiting for its KV fails when the transfer does (its reservation
+                # ends): the sender's outcome says why, and which engine is at fault.
+                self._held_error = failure
+            else:
+                result.set_exception(failure)
             return True
         try:
             value = self._on_output(output)
@@ -104,3 +149,13 @@ class StreamedDecode(Generic[T]):
         result = self._result
         if result is not None and not result.done():
             result.set_exception(self._engines.call_failed(TimeoutError(), self._endpoint.address, _STAGE))
+
+
+async def _settle(after: asyncio.Future[None], is_done: bool) -> None:
+    """Let the KV's sender end with its decode: a decode that ended well leaves it to finish
+    (the KV has landed: only its answer is still on the way); any other end cancels it (its
+    call, and so the send, is cancelled on the sender's engine). Either way it has ended on
+    return, its outcome taken (a failure is the decode's, set by _after_done)."""
+    if not is_done:
+        after.cancel()
+    await asyncio.wait({after})

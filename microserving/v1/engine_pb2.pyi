@@ -213,6 +213,7 @@ class StartGenerateRequest(_message.Message):
     BEGIN_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    AFTER_KV_TRANSFER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Id of the request (the same as PrepRecv's, when there was one)."""
     begin: _builtins.int
@@ -224,6 +225,15 @@ class StartGenerateRequest(_message.Message):
     """W3C trace context (`traceparent` header value) of the request, for the calls of a
     multiplexed Engine.Generate stream, which cannot carry per-request gRPC metadata; empty:
     none. Unary calls carry it as the `traceparent` metadata key instead.
+    """
+    after_kv_transfer: _builtins.bool
+    """Start once the KV transfer into this request's PrepRecv reservation has completed, not
+    before: the caller makes the sender's RemoteSend at the same time instead of first, and
+    the engine starts decoding as soon as the KV lands (no round trip through the caller).
+    The request then fails with FAILED_PRECONDITION if the reservation ends without its KV
+    (an abort, the sender's failure, its TTL), and the caller cancels it if the RemoteSend
+    fails. Only engines whose status has `starts_after_kv_transfer`; others refuse it
+    (INVALID_ARGUMENT).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -241,10 +251,11 @@ class StartGenerateRequest(_message.Message):
         begin: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         traceparent: _builtins.str = ...,
+        after_kv_transfer: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_kv_transfer", b"after_kv_transfer", "begin", b"begin", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -632,6 +643,7 @@ class GetStatusResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _builtins.int
     IS_DRAINING_FIELD_NUMBER: _builtins.int
     SERVES_STREAM_CALLS_FIELD_NUMBER: _builtins.int
+    STARTS_AFTER_KV_TRANSFER_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model id as clients name it (e.g. "tiny" or the model directory's name)."""
     num_running_requests: _builtins.int
@@ -655,6 +667,10 @@ class GetStatusResponse(_message.Message):
     serves_stream_calls: _builtins.bool
     """Engine.Generate also carries PrepRecv and RemoteSend (EngineGenerateRequest.prep_recv,
     remote_send): a caller may make them there, a message each instead of a call each.
+    """
+    starts_after_kv_transfer: _builtins.bool
+    """StartGenerateRequest.after_kv_transfer is served: a start may wait for its reservation's
+    KV transfer to complete.
     """
     @_builtins.property
     def kv_layout(self) -> Global___KVLayout:
@@ -685,10 +701,11 @@ class GetStatusResponse(_message.Message):
         device: _builtins.str = ...,
         is_draining: _builtins.bool = ...,
         serves_stream_calls: _builtins.bool = ...,
+        starts_after_kv_transfer: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout", "prefix_cache", b"prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

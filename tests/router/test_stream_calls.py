@@ -48,3 +48,47 @@ async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_s
     assert got.done is not None and len(got.done.engines) == 2  # P computed, D decoded
     expected = [("prep_recv", decode), ("remote_send", prefill)] if engine_stream else []
     assert made == expected
+
+
+@pytest.mark.parametrize("start_after_kv", [True, False])
+async def test_disagg_starts_the_decode_with_the_send_where_the_engine_waits_for_the_kv(
+    shims, monkeypatch, start_after_kv: bool
+) -> None:
+    """With start_after_kv (the default) D's start goes out before P's RemoteSend has
+    returned, marked to wait for the KV on D; off, it goes out after. Tokens are one engine's
+    alone either way."""
+    events: list[str] = []
+    real_call, real_start = EngineStream.call, EngineStream.start
+
+    async def call(self: EngineStream, request_id: str, message: engine_pb2.EngineGenerateRequest,
+                   timeout_s: float | None) -> Any:
+        reply = await real_call(self, request_id, message, timeout_s)
+        events.append(f"{message.WhichOneof('action')} returned")
+        return reply
+
+    async def start(self: EngineStream, request: engine_pb2.StartGenerateRequest, sink: Any) -> None:
+        events.append(f"start after_kv={request.after_kv_transfer}")
+        await real_start(self, request, sink)
+
+    monkeypatch.setattr(EngineStream, "call", call)
+    monkeypatch.setattr(EngineStream, "start", start)
+    prefill, decode = shims[0].address, shims[1].address
+    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
+                                             start_after_kv=start_after_kv))
+    tokens = [*range(40, 100), 7 + next(_ids)]
+    async with running_router(router) as (_, stub):
+        async def statuses_known() -> bool:
+            return all(e.status is not None for e in router.registry.endpoints)
+
+        assert await wait_for(statuses_known)
+        results = await generate(stub, router_pb2.NewRequest(
+            request_id="r", token_ids=router_pb2.TokenIds(ids=tokens), sampling=greedy()))
+    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-after-kv-{next(_ids)}")
+    got = results["r"]
+    assert got.error is None, got.error
+    assert got.token_ids == want
+    assert got.done is not None and len(got.done.engines) == 2
+    if start_after_kv:
+        assert events == ["prep_recv returned", "start after_kv=True", "remote_send returned"]
+    else:
+        assert events == ["prep_recv returned", "remote_send returned", "start after_kv=False"]

@@ -275,3 +275,28 @@ async def test_mlc_backend_refuses_a_cache_salt_it_cannot_scope_and_serves_it_wi
 
 async def _drain(call: Any) -> list[int]:
     return [i async for reply in call for choice in reply.choices for i in choice.token_ids]
+
+
+async def test_mlc_backend_refuses_a_start_after_the_kv_and_does_not_offer_it(mlc_pair):
+    """MLC's engines move KV themselves and never tell the shim it landed: the shim's status
+    does not offer starts after a KV transfer, and such a start is refused with a message on
+    both paths (a router then makes its RemoteSend first, as MLC's own router does)."""
+    tokens = [t + 50 for t in PROMPT]
+    d_channel, d_stub = engine_stub(mlc_pair["decode"].address)
+    async with d_channel:
+        status = await d_stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert status.serves_stream_calls and not status.starts_after_kv_transfer
+        start = engine_pb2.StartGenerateRequest(request_id="after-kv", token_ids=tokens, begin=0,
+                                                sampling=greedy(), after_kv_transfer=True)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _drain(d_stub.StartGenerate(start))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "after_kv_transfer" in (refused.value.details() or "")
+        call = d_stub.Generate()
+        await call.write(engine_pb2.EngineGenerateRequest(start=start))
+        message = await asyncio.wait_for(call.read(), 30)
+        (output,) = message.outputs
+        assert output.request_id == "after-kv"
+        assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "after_kv_transfer" in output.error.message
+        call.cancel()

@@ -141,6 +141,7 @@ class EmbeddedBackend:
             vocab_size=engine.vocab_size,
             max_context_length=engine.max_context_length,
             kv_layout=engine.kv_layout,
+            starts_after_kv=True,
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
         if self._nixl is not None:
             self._sweeper = asyncio.ensure_future(self._sweep_reservations())
@@ -350,6 +351,12 @@ class EmbeddedBackend:
     ) -> None:
         self._consume(request_id)
         await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
+
+    async def wait_for_kv(self, request_id: str) -> None:
+        # Every path into a reservation (PushKV, a NIXL write) ends in the table's finish,
+        # after the engine has the KV (the engine runs calls in order: a start submitted
+        # after it finds the reservation complete).
+        await self._table.wait_filled(request_id)
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self.engine.import_kv(request_id, chunk)

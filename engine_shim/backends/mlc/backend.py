@@ -205,6 +205,10 @@ class MLCBackend:
             async for output in self._outputs(request_id, response, begin, sampling):
                 yield output
 
+    async def wait_for_kv(self, request_id: str) -> None:
+        # MLC's engines move KV themselves and do not tell the shim when it has landed.
+        raise InvalidRequestError("after_kv_transfer: an MLC engine cannot start after a KV transfer")
+
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None],

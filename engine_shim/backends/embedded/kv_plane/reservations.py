@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine_shim.backends.embedded.kv_plane.shm import StagingPool, StagingSegment
-from engine_shim.engine.api import AlreadyExistsError, NotFoundError
+from engine_shim.engine.api import AlreadyExistsError, FailedPreconditionError, NotFoundError
 
 
 @dataclass
@@ -38,6 +38,10 @@ class Ticket:
     # a NIXL claim (WriteKV): its sender's agent, and set when that sender abandons it
     writer: str | None = None
     abandoned: asyncio.Future[None] | None = None
+    # every position of [begin, end) has arrived (a push or write finished into it)
+    is_filled: bool = False
+    # made by wait_filled: True once filled, False once the ticket closed without its KV
+    filled: asyncio.Future[bool] | None = None
 
     @property
     def is_held(self) -> bool:
@@ -133,9 +137,27 @@ class ReceiveTable:
             raise NotFoundError(f"no open KV reservation for {request_id!r} with that token")
         return ticket
 
+    async def wait_filled(self, request_id: str) -> None:
+        """Returns once the reservation's KV has arrived (at once if it has, or if it
+        awaits none); FailedPreconditionError when there is no reservation, or it ends
+        without its KV. Cancelling the wait leaves the ticket as it was."""
+        ticket = self._tickets.get(request_id)
+        if ticket is None:
+            raise FailedPreconditionError(f"no open KV reservation for {request_id!r} to wait for")
+        if ticket.is_filled or ticket.begin >= ticket.end:
+            return
+        if ticket.filled is None:
+            ticket.filled = asyncio.get_running_loop().create_future()
+        if not await asyncio.shield(ticket.filled):
+            raise FailedPreconditionError(
+                f"the KV reservation for {request_id!r} ended before its KV arrived")
+
     def finish(self, ticket: Ticket) -> None:
         """A push into `ticket` completed: its stage can serve another reservation, and its
         TTL starts again."""
+        ticket.is_filled = True
+        if ticket.filled is not None and not ticket.filled.done():
+            ticket.filled.set_result(True)
         self.unclaim(ticket)
         # the engine ended its hold with the write (finish_kv_write restarts its TTL): a
         # later claim waits for the engine again, even under a HoldKV still open
@@ -148,6 +170,8 @@ class ReceiveTable:
         ticket = self._tickets.pop(request_id, None)
         if ticket is not None:
             self._give_back(ticket, is_clean=False)
+            if ticket.filled is not None and not ticket.filled.done():
+                ticket.filled.set_result(False)
         return ticket
 
     def close_all(self) -> None:

@@ -1,0 +1,138 @@
+"""A start that waits for its KV (StartGenerateRequest.after_kv_transfer), against real shim
+processes: sent to D before P's RemoteSend, it begins once the KV has landed and its tokens
+are exactly one engine's alone; it ends with FAILED_PRECONDITION when its reservation ends
+without the KV (aborted) or when there is none, and leaves no page behind; the embedded shim
+says it serves such starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+from shim_helpers import (
+    PROMPT,
+    engine_stub,
+    free_pages,
+    generate_alone,
+    greedy,
+    introduce,
+    wait_for_free_pages,
+)
+
+from microserving.transport import status_code
+from microserving.v1 import engine_pb2
+
+pytestmark = pytest.mark.e2e
+
+
+def _prep_recv(request_id: str, tokens: list[int]) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(prep_recv=engine_pb2.PrepRecvRequest(
+        request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()))
+
+
+def _start_after_kv(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
+        request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy(), after_kv_transfer=True))
+
+
+async def _answer(call, request_id: str, timeout_s: float = 60.0) -> engine_pb2.GenerateOutput:
+    """The next output of `request_id` on the stream (outputs of other ids are skipped)."""
+    async def read() -> engine_pb2.GenerateOutput:
+        while True:
+            message = await call.read()
+            assert message is not grpc.aio.EOF, "the stream ended early"
+            for output in message.outputs:
+                if output.request_id == request_id:
+                    return output
+
+    return await asyncio.wait_for(read(), timeout_s)
+
+
+async def _reserve(call, request_id: str, tokens: list[int]) -> engine_pb2.PrepRecvResponse:
+    await call.write(_prep_recv(request_id, tokens))
+    output = await _answer(call, request_id)
+    assert output.HasField("prep_recv"), output
+    return output.prep_recv
+
+
+async def _settled(call, request_id: str) -> None:
+    """The stream has handled what was written before: a reservation made and dropped after
+    it is answered (a start that did not wait would have failed by then, its engine call
+    made first)."""
+    await _reserve(call, request_id, [*PROMPT[:20], 3])
+    await call.write(engine_pb2.EngineGenerateRequest(cancel=engine_pb2.GenerateCancel(request_id=request_id)))
+
+
+async def test_the_embedded_shim_serves_starts_after_the_kv(decode_shim) -> None:
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+    assert status.starts_after_kv_transfer
+
+
+async def test_a_start_sent_before_the_send_begins_once_the_kv_lands(prefill_shim, decode_shim) -> None:
+    tokens = [*PROMPT[:40], 81, 82]  # a prompt neither engine has seen in another test
+    want = await generate_alone(prefill_shim.address, "alone-after-kv", tokens)
+    p_channel, p_stub = engine_stub(prefill_shim.address)
+    d_channel, d_stub = engine_stub(decode_shim.address)
+    async with p_channel, d_channel:
+        await introduce(p_stub, decode_shim.address)
+        baseline = await free_pages(d_stub)
+        d_call, p_call = d_stub.Generate(), p_stub.Generate()
+        prep = await _reserve(d_call, "after-kv", tokens)
+        assert prep.prefix_matched_length < prep.end == len(tokens) - 1
+        await d_call.write(_start_after_kv("after-kv", tokens, prep.end))
+        await _settled(d_call, "after-kv-sentinel")
+        # Only now does the KV go: the start is waiting for it on D, not failed.
+        await p_call.write(engine_pb2.EngineGenerateRequest(remote_send=engine_pb2.RemoteSendRequest(
+            request_id="after-kv", token_ids=tokens, begin=prep.prefix_matched_length, end=prep.end,
+            kv_addr_info=prep.kv_addr_info, sampling=greedy())))
+        ids: list[int] = []
+        while True:
+            output = await _answer(d_call, "after-kv")
+            assert not output.HasField("error"), output.error
+            ids.extend(t for choice in output.choices for t in choice.token_ids)
+            if output.HasField("usage"):
+                break
+        assert ids == want
+        sent = await _answer(p_call, "after-kv")
+        assert sent.HasField("remote_send") and sent.remote_send.num_tokens_sent == prep.end - prep.prefix_matched_length
+        for call in (d_call, p_call):
+            await call.done_writing()
+            assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
+        assert await wait_for_free_pages(d_stub, baseline, within_s=2.0) == baseline
+
+
+async def test_a_waiting_start_fails_when_its_reservation_ends_without_the_kv(decode_shim) -> None:
+    tokens = [*PROMPT[:40], 83, 84]
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        baseline = await free_pages(stub)
+        call = stub.Generate()
+        prep = await _reserve(call, "never-sent", tokens)
+        await call.write(_start_after_kv("never-sent", tokens, prep.end))
+        await _settled(call, "never-sent-sentinel")
+        reply = await stub.Abort(engine_pb2.AbortRequest(request_id="never-sent"))
+        assert reply.was_active
+        output = await _answer(call, "never-sent")
+        assert status_code(output.error.code) == grpc.StatusCode.FAILED_PRECONDITION, output
+        assert "before its KV arrived" in output.error.message
+        # The stream serves on, and nothing stays reserved.
+        status = await stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert status.num_reserved_requests == 0
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
+        assert await wait_for_free_pages(stub, baseline, within_s=2.0) == baseline
+
+
+async def test_a_start_after_the_kv_without_a_reservation_fails(decode_shim) -> None:
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        call = stub.Generate()
+        # begin 0 needs no KV from elsewhere, but a wait for a transfer needs a reservation
+        await call.write(_start_after_kv("no-reservation", [*PROMPT[:10], 85], 0))
+        output = await _answer(call, "no-reservation")
+        assert status_code(output.error.code) == grpc.StatusCode.FAILED_PRECONDITION, output
+        assert "no open KV reservation" in output.error.message
+        call.cancel()
