@@ -159,8 +159,10 @@ async def _drain(requests: AsyncIterator[bytes]) -> None:
             if num_messages >= _REFUSAL_DRAIN_MESSAGES:
                 return
 
+    # asyncio.timeout, not wait_for, which in Python 3.11 can drop a cancellation
     with contextlib.suppress(TimeoutError):  # refused then, whatever the client still sends
-        await asyncio.wait_for(read(), _REFUSAL_DRAIN_S)
+        async with asyncio.timeout(_REFUSAL_DRAIN_S):
+            await read()
 
 
 def create_server(
