@@ -1,6 +1,6 @@
 """A start that waits for its KV (StartGenerateRequest.after_kv_transfer), against real shim
-processes: sent to D before P's RemoteSend, it begins once the KV has landed and its tokens
-are exactly one engine's alone; it ends with FAILED_PRECONDITION when its reservation ends
+processes: sent to D before P's RemoteSend (on the Generate stream, or as a StartGenerate
+call), it begins once the KV has landed and its tokens are exactly one engine's alone; it ends with FAILED_PRECONDITION when its reservation ends
 without the KV (aborted) or when there is none, and leaves no page behind; the embedded shim
 says it serves such starts."""
 
@@ -136,3 +136,28 @@ async def test_a_start_after_the_kv_without_a_reservation_fails(decode_shim) -> 
         assert status_code(output.error.code) == grpc.StatusCode.FAILED_PRECONDITION, output
         assert "no open KV reservation" in output.error.message
         call.cancel()
+
+
+async def test_the_unary_start_after_the_kv_waits_for_the_send_too(prefill_shim, decode_shim) -> None:
+    """StartGenerate (one call per request) takes the same mark: the call made before
+    RemoteSend streams the engine-alone tokens once the KV has landed."""
+    tokens = [*PROMPT[:40], 86, 87]
+    want = await generate_alone(prefill_shim.address, "alone-unary-after-kv", tokens)
+    p_channel, p_stub = engine_stub(prefill_shim.address)
+    d_channel, d_stub = engine_stub(decode_shim.address)
+    async with p_channel, d_channel:
+        await introduce(p_stub, decode_shim.address)
+        prep = await d_stub.PrepRecv(_prep_recv("unary-after-kv", tokens).prep_recv)
+        start = _start_after_kv("unary-after-kv", tokens, prep.end).start
+
+        async def decode() -> list[int]:
+            return [t async for m in d_stub.StartGenerate(start, timeout=60) for c in m.choices for t in c.token_ids]
+
+        decoding = asyncio.ensure_future(decode())
+        await asyncio.sleep(0.2)  # the start is made first (it waits either way)
+        assert not decoding.done()
+        sent = await p_stub.RemoteSend(engine_pb2.RemoteSendRequest(
+            request_id="unary-after-kv", token_ids=tokens, begin=prep.prefix_matched_length, end=prep.end,
+            kv_addr_info=prep.kv_addr_info, sampling=greedy()), timeout=60)
+        assert sent.num_tokens_sent == prep.end - prep.prefix_matched_length
+        assert await asyncio.wait_for(decoding, 60) == want
