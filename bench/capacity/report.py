@@ -59,7 +59,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     relayed tokens of each control-plane process (shims without their engine thread)."""
     shim_names = sorted({n for r in rows for n in r["cpu_ms_per_1k_tokens"] if n.startswith("shim")})
     head = ["pattern", "streams", "nominal tok/s", "client tok/s", "ratio", "TTFT +p50 ms",
-            "ITL p99 ms", "router TTFT mean ms", "RemoteSend mean ms", "gateway", "router",
+            "ITL p99 ms", "router TTFT mean ms", "PrepRecv mean ms", "RemoteSend mean ms", "gateway", "router",
             *shim_names, "sum", "engine thr", "client", "busy cores"]
     has_staggered = any("ratio_vs_staggered" in r for r in rows)
     if has_staggered:  # the embedded backend: the engine alone with staggered arrivals too
@@ -76,6 +76,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                  # means: exact from the histograms' sums (their quantiles are only as fine as
                  # the buckets; both are in the JSON)
                  _fmt((r.get("router_ttft") or {}).get("mean_ms"), 2),
+                 _fmt((r.get("engine_calls") or {}).get("prep_recv", {}).get("mean_ms"), 2),
                  _fmt((r.get("engine_calls") or {}).get("remote_send", {}).get("mean_ms"), 2),
                  _fmt(_role_sum(cpu, "gateway"), 1), _fmt(_role_sum(cpu, "router"), 1),
                  *(_fmt(cpu.get(n), 1) for n in shim_names), _fmt(cpu["total"], 1),
