@@ -86,16 +86,23 @@ class StreamedDecode(Generic[T]):
             if not self._is_ended:
                 self._stream.cancel(self.request_id)  # aborts the engine request
             if after is not None:
+                if not self._result.done():  # run() is ending: nobody reads it any more
+                    self._result.cancel()
                 await _settle(after, is_done)
 
     def _after_done(self, after: asyncio.Future[None]) -> None:
         """The KV's sender ended: a failure ends the decode with its error."""
-        if after.cancelled():
-            return
-        error = after.exception()
         result = self._result
         if result is None or result.done():
+            if not after.cancelled():
+                after.exception()  # retrieved: the decode has ended its own way
             return
+        if after.cancelled():  # not by run(), which ends the result before it cancels this
+            result.set_exception(self._held_error or EngineCallError(
+                f"remote_send for {self.request_id} was cancelled", code=grpc.StatusCode.UNAVAILABLE,
+                address="", stage="remote_send", detail="cancelled"))
+            return
+        error = after.exception()
         if error is not None:
             result.set_exception(error)
         elif self._held_error is not None:
