@@ -12,7 +12,7 @@ import pytest
 
 from engine_shim.backends.embedded.kv_plane import reservations
 from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable
-from engine_shim.engine.api import NotFoundError
+from engine_shim.engine.api import FailedPreconditionError, NotFoundError
 
 pytestmark = pytest.mark.unit
 
@@ -102,3 +102,44 @@ def test_an_abandoned_claim_keeps_the_ticket_engine_held() -> None:
         return expired
 
     assert asyncio.run(scenario()) == ["abandoned"]
+
+
+async def test_a_wait_for_the_kv_ends_with_the_fill_or_with_the_ticket() -> None:
+    """wait_filled (a start marked after_kv_transfer): returns once a push or write finished
+    into the ticket, at once if it has or if the window is empty; FailedPreconditionError when
+    there is no ticket, or it closes or expires unfilled; a cancelled waiter leaves the others
+    and the ticket as they were; an abandoned claim is not an end."""
+    table, _ = _table()
+    with pytest.raises(FailedPreconditionError, match="no open KV reservation"):
+        await table.wait_filled("none")
+    table.open("empty", 16, 16)
+    await asyncio.wait_for(table.wait_filled("empty"), 5)  # nothing to wait for
+
+    ticket = table.open("filled", 0, 16)
+    first, second = (asyncio.ensure_future(table.wait_filled("filled")) for _ in range(2))
+    await asyncio.sleep(0)
+    first.cancel()
+    await asyncio.gather(first, return_exceptions=True)
+    claimed = table.claim_write("filled", ticket.token, "agent")
+    table.abandon("filled", ticket.token, "agent")
+    table.unclaim(claimed)
+    await asyncio.sleep(0)
+    assert not second.done()  # given up before writing: the KV may still come
+    table.finish(table.claim("filled", ticket.token))
+    await asyncio.wait_for(second, 5)
+    await asyncio.wait_for(table.wait_filled("filled"), 5)  # filled before the wait
+
+    table.open("aborted", 0, 16)
+    waiting = asyncio.ensure_future(table.wait_filled("aborted"))
+    await asyncio.sleep(0)
+    table.close("aborted")
+    with pytest.raises(FailedPreconditionError, match="ended before its KV arrived"):
+        await asyncio.wait_for(waiting, 5)
+
+    table.open("expired", 0, 16)
+    waiting = asyncio.ensure_future(table.wait_filled("expired"))
+    await asyncio.sleep(0)
+    _past_ttl()
+    table.close_expired()
+    with pytest.raises(FailedPreconditionError, match="ended before its KV arrived"):
+        await asyncio.wait_for(waiting, 5)
