@@ -30,10 +30,19 @@ async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_s
 
     monkeypatch.setattr(EngineStream, "call", recorded)
     prefill, decode = shims[0].address, shims[1].address
-    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
-                                             engine_stream=engine_stream))
     # A prompt no engine has cached, long enough for P to send KV.
-    tokens = [*range(30, 90), 7 + next(_ids)]
+    await _disagg_matches_one_engine(shims, [*range(30, 90), 7 + next(_ids)], engine_stream=engine_stream)
+    expected = [("prep_recv", decode), ("remote_send", prefill)] if engine_stream else []
+    assert made == expected
+
+
+async def _disagg_matches_one_engine(shims, tokens: list[int], **settings: Any) -> None:
+    """One disagg request through a router over shims[0] (P) and shims[1] (D), made with
+    `settings`, once both engines' statuses are known: its tokens are shims[2]'s alone, and
+    both engines served it (P computed, D decoded)."""
+    prefill, decode = shims[0].address, shims[1].address
+    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
+                                             **settings))
     async with running_router(router) as (_, stub):
         async def statuses_known() -> bool:
             return all(e.status is not None for e in router.registry.endpoints)
@@ -41,13 +50,11 @@ async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_s
         assert await wait_for(statuses_known)
         results = await generate(stub, router_pb2.NewRequest(
             request_id="r", token_ids=router_pb2.TokenIds(ids=tokens), sampling=greedy()))
-    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-{engine_stream}-{next(_ids)}")
+    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-{next(_ids)}")
     got = results["r"]
     assert got.error is None, got.error
     assert got.token_ids == want
-    assert got.done is not None and len(got.done.engines) == 2  # P computed, D decoded
-    expected = [("prep_recv", decode), ("remote_send", prefill)] if engine_stream else []
-    assert made == expected
+    assert got.done is not None and len(got.done.engines) == 2
 
 
 @pytest.mark.parametrize("start_after_kv", [True, False])
@@ -72,22 +79,7 @@ async def test_disagg_starts_the_decode_with_the_send_where_the_engine_waits_for
 
     monkeypatch.setattr(EngineStream, "call", call)
     monkeypatch.setattr(EngineStream, "start", start)
-    prefill, decode = shims[0].address, shims[1].address
-    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
-                                             start_after_kv=start_after_kv))
-    tokens = [*range(40, 100), 7 + next(_ids)]
-    async with running_router(router) as (_, stub):
-        async def statuses_known() -> bool:
-            return all(e.status is not None for e in router.registry.endpoints)
-
-        assert await wait_for(statuses_known)
-        results = await generate(stub, router_pb2.NewRequest(
-            request_id="r", token_ids=router_pb2.TokenIds(ids=tokens), sampling=greedy()))
-    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-after-kv-{next(_ids)}")
-    got = results["r"]
-    assert got.error is None, got.error
-    assert got.token_ids == want
-    assert got.done is not None and len(got.done.engines) == 2
+    await _disagg_matches_one_engine(shims, [*range(40, 100), 7 + next(_ids)], start_after_kv=start_after_kv)
     if start_after_kv:
         assert events == ["prep_recv returned", "start after_kv=True", "remote_send returned"]
     else:

@@ -177,3 +177,43 @@ async def logged_path(shim: ShimProcess, request_id: str) -> str:
                 return line.rsplit("path=", 1)[1].strip()
         await asyncio.sleep(0.02)
     return ""
+
+
+# Messages and reads of an Engine.Generate stream (the PD calls on the stream).
+def prep_recv_message(request_id: str, tokens: list[int], end: int = -1) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(prep_recv=engine_pb2.PrepRecvRequest(
+        request_id=request_id, token_ids=tokens, end=end, sampling=greedy()))
+
+
+def remote_send_message(request_id: str, tokens: list[int], prep: engine_pb2.PrepRecvResponse,
+                        kv_addr_info: bytes | None = None) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(remote_send=engine_pb2.RemoteSendRequest(
+        request_id=request_id, token_ids=tokens, begin=prep.prefix_matched_length, end=prep.end,
+        kv_addr_info=prep.kv_addr_info if kv_addr_info is None else kv_addr_info,
+        sampling=greedy()))
+
+
+async def next_output(call, request_id: str, timeout_s: float = 60.0) -> engine_pb2.GenerateOutput:
+    """The next output of `request_id` on the stream (outputs of other ids are skipped)."""
+    async def read() -> engine_pb2.GenerateOutput:
+        while True:
+            message = await call.read()
+            assert message is not aio.EOF, "the stream ended early"
+            for output in message.outputs:
+                if output.request_id == request_id:
+                    return output
+
+    return await asyncio.wait_for(read(), timeout_s)
+
+
+async def streamed_tokens(call, request_id: str) -> list[int]:
+    """Every token of `request_id`'s generation on the stream, until its last output; it
+    must not fail."""
+    ids: list[int] = []
+    while True:
+        output = await next_output(call, request_id)
+        assert not output.HasField("error"), output.error
+        for choice in output.choices:
+            ids.extend(choice.token_ids)
+        if output.HasField("usage"):
+            return ids

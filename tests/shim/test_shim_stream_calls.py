@@ -23,6 +23,10 @@ from shim_helpers import (
     generate_alone,
     greedy,
     introduce,
+    next_output,
+    prep_recv_message,
+    remote_send_message,
+    streamed_tokens,
     until_none,
     wait_for_free_pages,
 )
@@ -43,19 +47,6 @@ from router.engines import EngineStream
 pytestmark = pytest.mark.e2e
 
 
-def _prep_recv(request_id: str, tokens: list[int], end: int = -1) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(prep_recv=engine_pb2.PrepRecvRequest(
-        request_id=request_id, token_ids=tokens, end=end, sampling=greedy()))
-
-
-def _remote_send(request_id: str, tokens: list[int], prep: engine_pb2.PrepRecvResponse,
-                 kv_addr_info: bytes | None = None) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(remote_send=engine_pb2.RemoteSendRequest(
-        request_id=request_id, token_ids=tokens, begin=prep.prefix_matched_length, end=prep.end,
-        kv_addr_info=prep.kv_addr_info if kv_addr_info is None else kv_addr_info,
-        sampling=greedy()))
-
-
 def _start(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
         request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy()))
@@ -63,30 +54,6 @@ def _start(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineG
 
 def _cancel(request_id: str) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(cancel=engine_pb2.GenerateCancel(request_id=request_id))
-
-
-async def _answer(call, request_id: str, timeout_s: float = 60.0) -> engine_pb2.GenerateOutput:
-    """The next output of `request_id` on the stream (outputs of other ids are skipped)."""
-    async def read() -> engine_pb2.GenerateOutput:
-        while True:
-            message = await call.read()
-            assert message is not grpc.aio.EOF, "the stream ended early"
-            for output in message.outputs:
-                if output.request_id == request_id:
-                    return output
-
-    return await asyncio.wait_for(read(), timeout_s)
-
-
-async def _tokens(call, request_id: str) -> list[int]:
-    ids: list[int] = []
-    while True:
-        output = await _answer(call, request_id)
-        assert not output.HasField("error"), output.error
-        for choice in output.choices:
-            ids.extend(choice.token_ids)
-        if output.HasField("usage"):
-            return ids
 
 
 async def test_both_engines_say_they_serve_calls_on_their_streams(prefill_shim, decode_shim) -> None:
@@ -106,17 +73,17 @@ async def test_pd_over_the_streams_matches_one_engine_alone(prefill_shim, decode
         await introduce(p_stub, decode_shim.address)
         baseline = await free_pages(d_stub)
         d_call, p_call = d_stub.Generate(), p_stub.Generate()
-        await d_call.write(_prep_recv("streamed", tokens))
-        prep_output = await _answer(d_call, "streamed")
+        await d_call.write(prep_recv_message("streamed", tokens))
+        prep_output = await next_output(d_call, "streamed")
         assert prep_output.HasField("prep_recv"), prep_output
         prep = prep_output.prep_recv
         assert prep.end == len(tokens) - 1 and prep.prefix_matched_length < prep.end
-        await p_call.write(_remote_send("streamed", tokens, prep))
-        sent_output = await _answer(p_call, "streamed")
+        await p_call.write(remote_send_message("streamed", tokens, prep))
+        sent_output = await next_output(p_call, "streamed")
         assert sent_output.HasField("remote_send"), sent_output
         assert sent_output.remote_send.num_tokens_sent == prep.end - prep.prefix_matched_length
         await d_call.write(_start("streamed", tokens, prep.end))
-        assert await _tokens(d_call, "streamed") == want
+        assert await streamed_tokens(d_call, "streamed") == want
         for call in (d_call, p_call):
             await call.done_writing()
             assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
@@ -135,8 +102,8 @@ async def test_a_bad_call_fails_alone_with_the_unary_calls_code(prefill_shim, de
     p_channel, p_stub = engine_stub(prefill_shim.address)
     d_channel, d_stub = engine_stub(decode_shim.address)
     async with p_channel, d_channel:
-        bad_prep = _prep_recv("bad-prep", [1, 10**7, 3]).prep_recv  # outside the vocabulary
-        bad_send = _remote_send("bad-send", tokens, engine_pb2.PrepRecvResponse(end=10),
+        bad_prep = prep_recv_message("bad-prep", [1, 10**7, 3]).prep_recv  # outside the vocabulary
+        bad_send = remote_send_message("bad-send", tokens, engine_pb2.PrepRecvResponse(end=10),
                                 kv_addr_info=b"not an address").remote_send
         want = {
             "bad-prep": await _unary_code(d_stub.PrepRecv(bad_prep)),
@@ -146,13 +113,13 @@ async def test_a_bad_call_fails_alone_with_the_unary_calls_code(prefill_shim, de
         d_call, p_call = d_stub.Generate(), p_stub.Generate()
         await d_call.write(engine_pb2.EngineGenerateRequest(prep_recv=bad_prep))
         await p_call.write(engine_pb2.EngineGenerateRequest(remote_send=bad_send))
-        got_prep, got_send = await _answer(d_call, "bad-prep"), await _answer(p_call, "bad-send")
+        got_prep, got_send = await next_output(d_call, "bad-prep"), await next_output(p_call, "bad-send")
         assert status_code(got_prep.error.code) == want["bad-prep"] and got_prep.error.message
         assert status_code(got_send.error.code) == want["bad-send"] and got_send.error.message
         assert not got_prep.error.fault and not got_send.error.fault
         # The streams carry on: a good call on each.
-        await d_call.write(_prep_recv("good", tokens))
-        good = await _answer(d_call, "good")
+        await d_call.write(prep_recv_message("good", tokens))
+        good = await next_output(d_call, "good")
         assert good.HasField("prep_recv") and not good.HasField("error")
         await d_stub.Abort(engine_pb2.AbortRequest(request_id="good"))
         d_call.cancel()
@@ -177,11 +144,11 @@ async def test_a_send_to_a_receiver_that_is_gone_blames_the_receiver(prefill_shi
         results = []
         for path in ("unary", "stream"):
             request_id = f"gone-{path}"
-            prep = await d_stub.PrepRecv(_prep_recv(request_id, tokens).prep_recv)
+            prep = await d_stub.PrepRecv(prep_recv_message(request_id, tokens).prep_recv)
             addr = KVAddrInfo.decode(prep.kv_addr_info)
             # Where the KV should go is a receiver that is not there (no shared stage either).
             elsewhere = dataclasses.replace(addr, address=gone, shm=None).encode()
-            send = _remote_send(request_id, tokens, prep, kv_addr_info=elsewhere)
+            send = remote_send_message(request_id, tokens, prep, kv_addr_info=elsewhere)
             if path == "unary":
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await p_stub.RemoteSend(send.remote_send)
@@ -189,7 +156,7 @@ async def test_a_send_to_a_receiver_that_is_gone_blames_the_receiver(prefill_shi
             else:
                 call = p_stub.Generate()
                 await call.write(send)
-                output = await _answer(call, request_id)
+                output = await next_output(call, request_id)
                 results.append((status_code(output.error.code), output.error.fault))
                 call.cancel()
             await d_stub.Abort(engine_pb2.AbortRequest(request_id=request_id))
@@ -209,9 +176,9 @@ async def test_a_call_cancelled_on_the_stream_leaves_no_kv_and_the_stream_serves
         await introduce(p_stub, decode_shim.address)
         p_baseline, d_baseline = await free_pages(p_stub), await free_pages(d_stub)
         d_call, p_call = d_stub.Generate(), p_stub.Generate()
-        await d_call.write(_prep_recv("cancelled", tokens))
-        prep = (await _answer(d_call, "cancelled")).prep_recv
-        await p_call.write(_remote_send("cancelled", tokens, prep))
+        await d_call.write(prep_recv_message("cancelled", tokens))
+        prep = (await next_output(d_call, "cancelled")).prep_recv
+        await p_call.write(remote_send_message("cancelled", tokens, prep))
         await p_call.write(_cancel("cancelled"))
         await d_stub.Abort(engine_pb2.AbortRequest(request_id="cancelled"))
         assert await wait_for_free_pages(p_stub, p_baseline, within_s=5.0) == p_baseline, "P"
@@ -220,14 +187,14 @@ async def test_a_call_cancelled_on_the_stream_leaves_no_kv_and_the_stream_serves
         # one-sided write may still land), about 11 s; then they are free.
         assert await wait_for_free_pages(d_stub, d_baseline, within_s=20.0) == d_baseline, "D"
         tokens = [*PROMPT[:59], 93, 92]
-        await d_call.write(_prep_recv("after", tokens))
-        prep = (await _answer(d_call, "after")).prep_recv
-        await p_call.write(_remote_send("after", tokens, prep))
-        sent = await _answer(p_call, "after")
+        await d_call.write(prep_recv_message("after", tokens))
+        prep = (await next_output(d_call, "after")).prep_recv
+        await p_call.write(remote_send_message("after", tokens, prep))
+        sent = await next_output(p_call, "after")
         # The cancelled call's output, if it finished before the cancel, came before this one.
         assert sent.HasField("remote_send"), sent
         await d_call.write(_start("after", tokens, prep.end))
-        assert len(await _tokens(d_call, "after")) == greedy().max_tokens
+        assert len(await streamed_tokens(d_call, "after")) == greedy().max_tokens
         d_call.cancel()
         p_call.cancel()
 
@@ -277,10 +244,10 @@ async def test_the_multiplexer_cancels_a_held_call_and_answers_the_others_at_onc
     messages = multiplexer.serve(until_none(incoming))
     first = asyncio.ensure_future(anext(messages))
     traceparent = "00-0123456789abcdef0123456789abcdef-0123456789abcdef-01"
-    prep = _prep_recv("kept", [1, 2, 3]).prep_recv
+    prep = prep_recv_message("kept", [1, 2, 3]).prep_recv
     prep.traceparent = traceparent
     await incoming.put(engine_pb2.EngineGenerateRequest(prep_recv=prep))
-    await incoming.put(_remote_send("dropped", [1, 2, 3], engine_pb2.PrepRecvResponse(end=2)))
+    await incoming.put(remote_send_message("dropped", [1, 2, 3], engine_pb2.PrepRecvResponse(end=2)))
     for request_id in ("kept", "dropped"):
         await asyncio.wait_for(calls.started.setdefault(request_id, asyncio.Event()).wait(), 60)
     await incoming.put(_cancel("dropped"))
@@ -337,18 +304,18 @@ async def test_the_routers_end_times_out_cancels_and_maps_errors_as_the_unary_ca
     try:
         assert stream.takes_calls("slow")
         with pytest.raises(grpc.aio.AioRpcError) as timed_out:
-            await stream.call("slow", _prep_recv("slow", [1, 2, 3]), timeout_s=0.2)
+            await stream.call("slow", prep_recv_message("slow", [1, 2, 3]), timeout_s=0.2)
         assert timed_out.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         # The engine's call was cancelled and its request aborted, as after a unary deadline.
         while "slow" not in calls.aborted:
             await asyncio.sleep(0.01)
         assert calls.cancelled == ["slow"]
         with pytest.raises(grpc.aio.AioRpcError) as failed:
-            await stream.call("send", _remote_send("send", [1, 2, 3], engine_pb2.PrepRecvResponse(end=2)), None)
+            await stream.call("send", remote_send_message("send", [1, 2, 3], engine_pb2.PrepRecvResponse(end=2)), None)
         assert failed.value.code() is grpc.StatusCode.UNAVAILABLE
         assert dict(failed.value.trailing_metadata()) == {FAULT_METADATA_KEY: FAULT_RECEIVER}
         calls.release.set()
-        output = await stream.call("fine", _prep_recv("fine", [1, 2, 3]), timeout_s=60)
+        output = await stream.call("fine", prep_recv_message("fine", [1, 2, 3]), timeout_s=60)
         assert output.prep_recv.end == 7
     finally:
         await stream.close()

@@ -1,8 +1,8 @@
 """A start that waits for its KV (StartGenerateRequest.after_kv_transfer), against real shim
 processes: sent to D before P's RemoteSend (on the Generate stream, or as a StartGenerate
-call), it begins once the KV has landed and its tokens are exactly one engine's alone; it ends with FAILED_PRECONDITION when its reservation ends
-without the KV (aborted) or when there is none, and leaves no page behind; the embedded shim
-says it serves such starts."""
+call), it begins once the KV has landed and its tokens are exactly one engine's alone; it
+ends with FAILED_PRECONDITION when its reservation ends without the KV (aborted) or when
+there is none, and leaves no page behind; the embedded shim says it serves such starts."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ from shim_helpers import (
     generate_alone,
     greedy,
     introduce,
+    next_output,
+    prep_recv_message,
+    remote_send_message,
+    streamed_tokens,
     wait_for_free_pages,
 )
 
@@ -26,32 +30,14 @@ from microserving.v1 import engine_pb2
 pytestmark = pytest.mark.e2e
 
 
-def _prep_recv(request_id: str, tokens: list[int]) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(prep_recv=engine_pb2.PrepRecvRequest(
-        request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()))
-
-
 def _start_after_kv(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
         request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy(), after_kv_transfer=True))
 
 
-async def _answer(call, request_id: str, timeout_s: float = 60.0) -> engine_pb2.GenerateOutput:
-    """The next output of `request_id` on the stream (outputs of other ids are skipped)."""
-    async def read() -> engine_pb2.GenerateOutput:
-        while True:
-            message = await call.read()
-            assert message is not grpc.aio.EOF, "the stream ended early"
-            for output in message.outputs:
-                if output.request_id == request_id:
-                    return output
-
-    return await asyncio.wait_for(read(), timeout_s)
-
-
 async def _reserve(call, request_id: str, tokens: list[int]) -> engine_pb2.PrepRecvResponse:
-    await call.write(_prep_recv(request_id, tokens))
-    output = await _answer(call, request_id)
+    await call.write(prep_recv_message(request_id, tokens))
+    output = await next_output(call, request_id)
     assert output.HasField("prep_recv"), output
     return output.prep_recv
 
@@ -85,18 +71,9 @@ async def test_a_start_sent_before_the_send_begins_once_the_kv_lands(prefill_shi
         await d_call.write(_start_after_kv("after-kv", tokens, prep.end))
         await _settled(d_call, "after-kv-sentinel")
         # Only now does the KV go: the start is waiting for it on D, not failed.
-        await p_call.write(engine_pb2.EngineGenerateRequest(remote_send=engine_pb2.RemoteSendRequest(
-            request_id="after-kv", token_ids=tokens, begin=prep.prefix_matched_length, end=prep.end,
-            kv_addr_info=prep.kv_addr_info, sampling=greedy())))
-        ids: list[int] = []
-        while True:
-            output = await _answer(d_call, "after-kv")
-            assert not output.HasField("error"), output.error
-            ids.extend(t for choice in output.choices for t in choice.token_ids)
-            if output.HasField("usage"):
-                break
-        assert ids == want
-        sent = await _answer(p_call, "after-kv")
+        await p_call.write(remote_send_message("after-kv", tokens, prep))
+        assert await streamed_tokens(d_call, "after-kv") == want
+        sent = await next_output(p_call, "after-kv")
         assert sent.HasField("remote_send") and sent.remote_send.num_tokens_sent == prep.end - prep.prefix_matched_length
         for call in (d_call, p_call):
             await call.done_writing()
@@ -115,7 +92,7 @@ async def test_a_waiting_start_fails_when_its_reservation_ends_without_the_kv(de
         await _settled(call, "never-sent-sentinel")
         reply = await stub.Abort(engine_pb2.AbortRequest(request_id="never-sent"))
         assert reply.was_active
-        output = await _answer(call, "never-sent")
+        output = await next_output(call, "never-sent")
         assert status_code(output.error.code) == grpc.StatusCode.FAILED_PRECONDITION, output
         assert "before its KV arrived" in output.error.message
         # The stream serves on, and nothing stays reserved.
@@ -132,7 +109,7 @@ async def test_a_start_after_the_kv_without_a_reservation_fails(decode_shim) -> 
         call = stub.Generate()
         # begin 0 needs no KV from elsewhere, but a wait for a transfer needs a reservation
         await call.write(_start_after_kv("no-reservation", [*PROMPT[:10], 85], 0))
-        output = await _answer(call, "no-reservation")
+        output = await next_output(call, "no-reservation")
         assert status_code(output.error.code) == grpc.StatusCode.FAILED_PRECONDITION, output
         assert "no open KV reservation" in output.error.message
         call.cancel()
@@ -147,7 +124,7 @@ async def test_the_unary_start_after_the_kv_waits_for_the_send_too(prefill_shim,
     d_channel, d_stub = engine_stub(decode_shim.address)
     async with p_channel, d_channel:
         await introduce(p_stub, decode_shim.address)
-        prep = await d_stub.PrepRecv(_prep_recv("unary-after-kv", tokens).prep_recv)
+        prep = await d_stub.PrepRecv(prep_recv_message("unary-after-kv", tokens).prep_recv)
         start = _start_after_kv("unary-after-kv", tokens, prep.end).start
 
         async def decode() -> list[int]:
@@ -156,8 +133,6 @@ async def test_the_unary_start_after_the_kv_waits_for_the_send_too(prefill_shim,
         decoding = asyncio.ensure_future(decode())
         await asyncio.sleep(0.2)  # the start is made first (it waits either way)
         assert not decoding.done()
-        sent = await p_stub.RemoteSend(engine_pb2.RemoteSendRequest(
-            request_id="unary-after-kv", token_ids=tokens, begin=prep.prefix_matched_length, end=prep.end,
-            kv_addr_info=prep.kv_addr_info, sampling=greedy()), timeout=60)
+        sent = await p_stub.RemoteSend(remote_send_message("unary-after-kv", tokens, prep).remote_send, timeout=60)
         assert sent.num_tokens_sent == prep.end - prep.prefix_matched_length
         assert await asyncio.wait_for(decoding, 60) == want
