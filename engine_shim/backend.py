@@ -3,7 +3,7 @@ and the shim-level results it returns. The servicer validates before calling any
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -28,6 +28,8 @@ class BackendInfo:
     kv_layout: KVLayout | None  # None when the backend does not expose it (MLC)
     # wait_for_kv is served: a start may wait for its reservation's KV transfer
     starts_after_kv: bool = False
+    # remote_send_later is served: a send may start before its receiver is known
+    takes_kv_addr_later: bool = False
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,16 @@ class Reservation:
     end: int  # normalised window end
     prefix_matched_length: int
     kv_addr_info: bytes  # opaque to the router
+
+
+@dataclass(frozen=True)
+class SendTarget:
+    """The receiver of a send made before it was known (RemoteSendTarget), checked: `begin`
+    is within the send's window."""
+
+    kv_addr_info: bytes
+    begin: int
+    recv_rank: int
 
 
 @dataclass(frozen=True)
@@ -79,6 +91,21 @@ class Backend(Protocol):
         recv_rank: int,
         sampling: SamplingParams,
     ) -> SendResult: ...
+
+    async def remote_send_later(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        begin: int,
+        end: int,
+        sampling: SamplingParams,
+        target: Awaitable[SendTarget],
+    ) -> SendResult:
+        """remote_send whose receiver comes later (RemoteSendRequest.kv_addr_follows): the KV
+        of prompt[:end] is computed from now on, and [target.begin, end) goes to the target
+        once `target` resolves (it raises: the send fails with that error). Only where
+        `info.takes_kv_addr_later`."""
+        ...
 
     def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams

@@ -13,7 +13,10 @@ The stream also carries PrepRecv and RemoteSend (`StreamCalls`, the servicer's o
 as a task of its own under its request id and ends with one output holding its result or its
 error, written at once; `cancel` cancels it and then aborts its request on the engine (also
 when it had ended: the caller's Abort travels on a call of its own and could overtake the
-call's message), and a stream that breaks aborts the calls it cut off. A call costs
+call's message), and a stream that breaks aborts the calls it cut off. A RemoteSend made with
+kv_addr_follows runs from its message on; the `send_to` that names its receiver reaches it
+through a future (dropped when no such send waits), and one still waiting when the caller
+half-closes fails INVALID_ARGUMENT. A call costs
 the caller a message each way on a stream it already has, not a call (HTTP/2 stream, task,
 metadata) each.
 """
@@ -21,6 +24,7 @@ metadata) each.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, Protocol
@@ -29,7 +33,7 @@ import grpc
 from google.protobuf.message import Message
 
 from engine_shim.convert import add_generate_output
-from engine_shim.engine.api import EngineError, GenerateOutput
+from engine_shim.engine.api import EngineError, GenerateOutput, InvalidRequestError
 from engine_shim.errors import status_code_for
 from microserving import tracing
 from microserving.multiplex import Batcher
@@ -53,8 +57,11 @@ class StreamCalls(Protocol):
     ) -> engine_pb2.PrepRecvResponse: ...
 
     async def remote_send(
-        self, request: engine_pb2.RemoteSendRequest, traceparent: str
-    ) -> engine_pb2.RemoteSendResponse: ...
+        self, request: engine_pb2.RemoteSendRequest, traceparent: str,
+        target: Awaitable[engine_pb2.RemoteSendTarget] | None = None,
+    ) -> engine_pb2.RemoteSendResponse:
+        """`target`: where the `send_to` of a send made with kv_addr_follows arrives."""
+        ...
 
     async def abort(self, request_id: str) -> bool:
         """Engine.Abort: frees whatever the request holds on the engine."""
@@ -80,6 +87,8 @@ class GenerateMultiplexer:
         self._calls = calls
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._call_ids: set[str] = set()  # tasks that run a call, not a generation
+        # RemoteSends made with kv_addr_follows, waiting for their send_to
+        self._targets: dict[str, asyncio.Future[engine_pb2.RemoteSendTarget]] = {}
         self._stream_interval_s = stream_interval_s
         self._updates_per_s = updates_per_s
         self._out: Batcher[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = \
@@ -119,25 +128,34 @@ class GenerateMultiplexer:
                     self._cancel(message.cancel.request_id)
                 elif action == "prep_recv" or action == "remote_send":
                     self._begin_call(action, getattr(message, action))
+                elif action == "send_to":
+                    self._send_to(message.send_to)
                 else:
                     logger.warning("Engine.Generate: a message with no known action, ignored")
         finally:
             self._is_reading = False
+            for target in self._targets.values():  # no send_to can come any more
+                if not target.done():
+                    target.set_exception(InvalidRequestError(
+                        "the stream was closed before this RemoteSend's send_to came"))
+                    target.exception()  # retrieved: the send may have failed before its wait
+            self._targets.clear()
             self._close_if_idle()
 
-    def _begin(self, request_id: str, work: Coroutine[Any, Any, None], is_call: bool = False) -> None:
+    def _begin(self, request_id: str, work: Coroutine[Any, Any, None], is_call: bool = False) -> bool:
         if request_id in self._tasks:
             work.close()
             # Their outputs could not be told apart: the running request ends too.
             self._cancel(request_id)
             self._fail(request_id, grpc.StatusCode.ALREADY_EXISTS,
                        f"request {request_id!r} was already active on this stream; both are aborted")
-            return
+            return False
         task = asyncio.get_running_loop().create_task(work)
         self._tasks[request_id] = task
         if is_call:
             self._call_ids.add(request_id)
         self._set_interval()
+        return True
 
     def _begin_call(self, action: str, request: engine_pb2.PrepRecvRequest | engine_pb2.RemoteSendRequest) -> None:
         calls = self._calls
@@ -145,8 +163,24 @@ class GenerateMultiplexer:
             self._fail(request.request_id, grpc.StatusCode.UNIMPLEMENTED,
                        f"this engine does not take {action} on Engine.Generate")
             return
-        run: Callable[[Any, str], Awaitable[Message]] = getattr(calls, action)
-        self._begin(request.request_id, self._run_call(action, run, request), is_call=True)
+        run: Callable[..., Awaitable[Message]] = getattr(calls, action)
+        target: asyncio.Future[engine_pb2.RemoteSendTarget] | None = None
+        if isinstance(request, engine_pb2.RemoteSendRequest) and request.kv_addr_follows:
+            target = asyncio.get_running_loop().create_future()
+            run = functools.partial(run, target=target)
+        if self._begin(request.request_id, self._run_call(action, run, request, target), is_call=True) \
+                and target is not None:
+            self._targets[request.request_id] = target
+
+    def _send_to(self, target: engine_pb2.RemoteSendTarget) -> None:
+        """The receiver of a RemoteSend waiting on this stream; dropped when none waits (it
+        ended or was cancelled: its own output or cancel tells the caller)."""
+        waiting = self._targets.pop(target.request_id, None)
+        if waiting is None or waiting.done():
+            logger.debug("Engine.Generate: send_to for %r with no RemoteSend waiting, dropped",
+                         target.request_id)
+            return
+        waiting.set_result(target)
 
     def _set_interval(self) -> None:
         interval_s = self._stream_interval_s
@@ -205,14 +239,19 @@ class GenerateMultiplexer:
             start, lambda output: self._on_output(request_id, output)))
 
     async def _run_call(self, action: str, run: Callable[[Any, str], Awaitable[Message]],
-                        request: engine_pb2.PrepRecvRequest | engine_pb2.RemoteSendRequest) -> None:
+                        request: engine_pb2.PrepRecvRequest | engine_pb2.RemoteSendRequest,
+                        target: asyncio.Future[engine_pb2.RemoteSendTarget] | None = None) -> None:
         async def call() -> None:
             result = await run(request, tracing.valid_traceparent(request.traceparent))
             entry, _ = self._out.keyed(request.request_id, urgent=True, request_id=request.request_id)
             getattr(entry, action).CopyFrom(result)
             self._out.seal(request.request_id)
 
-        await self._guarded(request.request_id, call())
+        try:
+            await self._guarded(request.request_id, call())
+        finally:
+            if target is not None and self._targets.get(request.request_id) is target:
+                del self._targets[request.request_id]
 
     async def _guarded(self, request_id: str, work: Awaitable[None]) -> None:
         """Runs one request's task: its errors end it (not the stream) with the status code the

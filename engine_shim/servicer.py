@@ -3,12 +3,12 @@ purpose; errors are mapped once by `map_errors`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 
 from grpc import aio
 
 from engine_shim import validation
-from engine_shim.backend import Backend
+from engine_shim.backend import Backend, SendTarget
 from engine_shim.convert import (
     generate_output_to_pb,
     sampling_from_pb,
@@ -96,27 +96,49 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return await self.remote_send(request, tracing.from_metadata(context.invocation_metadata()))
 
     async def remote_send(
-        self, request: engine_pb2.RemoteSendRequest, traceparent: str
+        self, request: engine_pb2.RemoteSendRequest, traceparent: str,
+        target: Awaitable[engine_pb2.RemoteSendTarget] | None = None,
     ) -> engine_pb2.RemoteSendResponse:
-        """RemoteSend, as a unary call or on an Engine.Generate stream (GenerateMultiplexer)."""
+        """RemoteSend, as a unary call or on an Engine.Generate stream (GenerateMultiplexer);
+        `target`: where the stream's `send_to` for a send made with kv_addr_follows arrives."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin, end = validation.remote_send_window(request.begin, request.end, len(tokens))
-        validation.check_kv_addr_info(request.kv_addr_info)
+        if request.kv_addr_follows:
+            self._check_follows(request, target)
+            assert target is not None  # checked
+        else:
+            validation.check_kv_addr_info(request.kv_addr_info)
         self._tracker.begin_remote_send(request.request_id)
         try:
             with _span("shim.remote_send", request.request_id, traceparent):
-                result = await self._backend.remote_send(
-                    request.request_id,
-                    tokens,
-                    begin,
-                    end,
-                    request.kv_addr_info,
-                    request.recv_rank,
-                    sampling,
-                )
+                if target is None or not request.kv_addr_follows:
+                    result = await self._backend.remote_send(
+                        request.request_id, tokens, begin, end, request.kv_addr_info,
+                        request.recv_rank, sampling,
+                    )
+                else:
+                    result = await self._backend.remote_send_later(
+                        request.request_id, tokens, begin, end, sampling,
+                        _checked_target(target, begin, end),
+                    )
         finally:
             self._tracker.end_remote_send(request.request_id)
         return send_result_to_pb(result)
+
+    def _check_follows(
+        self, request: engine_pb2.RemoteSendRequest,
+        target: Awaitable[engine_pb2.RemoteSendTarget] | None,
+    ) -> None:
+        if target is None:
+            raise InvalidRequestError(
+                "kv_addr_follows is served on Engine.Generate only (the address follows there "
+                "in a send_to message); a unary RemoteSend needs kv_addr_info")
+        if not self._backend.info.takes_kv_addr_later:
+            raise InvalidRequestError(
+                f"kv_addr_follows: the {self._backend.info.name} backend needs the receiver's "
+                "address with the send")
+        if request.kv_addr_info:
+            raise InvalidRequestError("kv_addr_follows with kv_addr_info: send the address in send_to")
 
     @map_errors
     async def StartGenerate(
@@ -217,7 +239,20 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         )
         response.serves_stream_calls = True  # Generate below takes prep_recv and remote_send
         response.starts_after_kv_transfer = info.starts_after_kv
+        response.takes_kv_addr_later = info.takes_kv_addr_later
         return response
+
+
+async def _checked_target(
+    target: Awaitable[engine_pb2.RemoteSendTarget], begin: int, end: int
+) -> SendTarget:
+    """The send_to of a RemoteSend over [begin, end), checked as RemoteSend's own fields."""
+    message = await target
+    if not begin <= message.begin < end:
+        raise InvalidRequestError(
+            f"send_to begin={message.begin} is outside the RemoteSend's window [{begin}, {end})")
+    validation.check_kv_addr_info(message.kv_addr_info)
+    return SendTarget(message.kv_addr_info, message.begin, message.recv_rank)
 
 
 def _span(name: str, request_id: str, traceparent: str) -> tracing.Span:

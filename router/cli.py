@@ -59,6 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--start-after-kv", action=argparse.BooleanOptionalAction, default=None,
         help="disaggregation: start the decode engine's request with the prefill engine's RemoteSend, "
         "to begin as the KV lands (default), or --no-start-after-kv: after RemoteSend returns")
+    add("--send-ahead", action=argparse.BooleanOptionalAction, default=None,
+        help="disagg: make P's RemoteSend together with D's PrepRecv, D's address following on "
+        "P's engine stream (default), or --no-send-ahead: RemoteSend after PrepRecv returns")
     add("--token", help="shared bearer token for every hop (prefer MICROSERVING_ROUTER_TOKEN: flags show in ps)")
     add("--tls-cert", help="PEM certificate of this router (serves TLS; client cert to engines)")
     add("--tls-key", help="PEM key of --tls-cert")

@@ -70,14 +70,24 @@ async def remote_send(
 ) -> None:
     """RemoteSend on the sender; returns once the KV reached the receiver. When the sender
     says the receiver failed (trailing metadata), the error names `receiver` (if known)."""
-    attempt.touch(endpoint.address)
     message = engine_pb2.RemoteSendRequest(
         request_id=job.request_id, token_ids=job.token_ids, begin=begin, end=end,
         kv_addr_info=kv_addr_info, recv_rank=recv_rank, sampling=job.sampling,
     )
+    await _remote_send(engines, endpoint, job, attempt, message, _call_stream(engines, endpoint, job, attempt),
+                       receiver, lambda: begin)
+
+
+async def _remote_send(
+    engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt,
+    message: engine_pb2.RemoteSendRequest, stream: EngineStream | None, receiver: str | None,
+    sent_from: Callable[[], int],
+) -> None:
+    """The RemoteSend call, on `stream` or unary; `sent_from()`: where the window it moved
+    began (for the transfer metrics)."""
+    attempt.touch(endpoint.address)
     started_s = time.perf_counter()
     timeout_s = engines.settings.remote_send_timeout_s
-    stream = _call_stream(engines, endpoint, job, attempt)
     try:
         with endpoint.track(STAGE_REMOTE_SEND), _span("remote_send", endpoint, job, attempt.traceparent) as span:
             if stream is None:
@@ -90,8 +100,60 @@ async def remote_send(
     except grpc.aio.AioRpcError as exc:
         at_fault = receiver if receiver is not None and _blames_receiver(exc) else endpoint.address
         raise engines.call_failed(exc, at_fault, "remote_send") from exc
-    num_tokens = normalise_end(end, len(job.token_ids)) - begin
+    num_tokens = normalise_end(message.end, len(job.token_ids)) - sent_from()
     observe_remote_send(engines.metrics, endpoint, num_tokens, time.perf_counter() - started_s)
+
+
+def sends_ahead(engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt) -> bool:
+    """Whether the RemoteSend on `endpoint` can go out before the receiver's PrepRecv has
+    answered (send_ahead): the setting allows it, the call goes on the engine's stream and the
+    engine says it serves RemoteSendRequest.kv_addr_follows."""
+    if not engines.settings.send_ahead or not attempt.use_engine_stream:
+        return False
+    status = endpoint.status
+    return status is not None and status.takes_kv_addr_later and \
+        engines.stream(endpoint).takes_calls(job.request_id)
+
+
+class SendAhead:
+    """A RemoteSend made before its receiver is known (RemoteSendRequest.kv_addr_follows):
+    the sender computes the prompt's KV while the router makes the receiver's PrepRecv; `to`
+    names the receiver (a `send_to` on the sender's stream, after the send's own message),
+    `result` waits for the send's end, `cancel` undoes it on the sender."""
+
+    def __init__(self, engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt,
+                 *, end: int, receiver: str) -> None:
+        self._stream = engines.stream(endpoint)
+        self._request_id = job.request_id
+        self._begin = 0
+        message = engine_pb2.RemoteSendRequest(
+            request_id=job.request_id, token_ids=job.token_ids, begin=0, end=end,
+            sampling=job.sampling, kv_addr_follows=True,
+        )
+        # Made now, its message is queued on the stream before anything the PrepRecv's answer
+        # leads to (the send_to), which comes at least a round trip later.
+        self._task = asyncio.ensure_future(_remote_send(
+            engines, endpoint, job, attempt, message, self._stream, receiver, lambda: self._begin))
+        self._task.add_done_callback(_retrieve)  # a send dropped unawaited (cancel) logs nothing
+
+    def to(self, kv_addr_info: bytes, begin: int, recv_rank: int) -> None:
+        self._begin = begin
+        self._stream.send_to(engine_pb2.RemoteSendTarget(
+            request_id=self._request_id, kv_addr_info=kv_addr_info, begin=begin, recv_rank=recv_rank))
+
+    async def result(self) -> None:
+        await self._task
+
+    async def cancel(self) -> None:
+        """Cancels the call (its `cancel` goes on the stream: the sender undoes it) and waits
+        for it to settle."""
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def _call_stream(engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt) -> EngineStream | None:

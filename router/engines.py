@@ -106,6 +106,14 @@ class EngineStream:
         if call.is_usable():
             call.write_nowait(_cancel_message(request_id))
 
+    def send_to(self, target: engine_pb2.RemoteSendTarget) -> None:
+        """The receiver of a RemoteSend made on this stream with kv_addr_follows, written
+        after it on the same stream; no answer of its own (the send's ends both). Dropped
+        when the send is no longer open here: its caller has its outcome."""
+        call = self._call
+        if call is not None and target.request_id in call.routes:
+            call.write_nowait(engine_pb2.EngineGenerateRequest(send_to=target))
+
     def cancel(self, request_id: str) -> None:
         """Abort a request that has not ended (no-op otherwise); its output is dropped."""
         if self._call is not None:

@@ -38,14 +38,23 @@ async def _disagg_with_factor(
     engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt, factor: float,
     decode: Endpoint, prefill: Endpoint | None,
 ) -> Decode:
-    """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D); the last
-    two at once where D can start after the KV transfer (engine_calls.decode_after)."""
+    """prep_recv(D) -> remote_send(P) from D's matched prefix -> start_generate(D); the first
+    two at once where P takes D's address later (send_ahead: P computes while D reserves),
+    the last two at once where D can start after the KV transfer (engine_calls.decode_after)."""
     prompt = job.token_ids
     if prefill is None or prefill.address == decode.address or len(prompt) < 2:
         return calls.decode(engines, decode, job, attempt, 0)
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
-    kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, end)
+    recv_rank = engines.device_id_start(decode.address)
+    ahead = calls.SendAhead(engines, prefill, job, attempt, end=end, receiver=decode.address) \
+        if calls.sends_ahead(engines, prefill, job, attempt) else None
+    try:
+        kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, end)
+    except BaseException:
+        if ahead is not None:
+            await ahead.cancel()
+        raise
     salt = job.sampling.cache_salt
 
     def record() -> None:
@@ -53,14 +62,22 @@ async def _disagg_with_factor(
         placement.prefix_index.record(decode.address, prompt, salt)
 
     if matched >= decode_start:
+        if ahead is not None:  # D holds the window: P's computation is undone
+            await ahead.cancel()
         record()
         return calls.decode(engines, decode, job, attempt, decode_start)
 
+    if ahead is not None:
+        ahead.to(kv_addr_info, matched, recv_rank)  # now: P may have its KV ready
+
     async def send() -> None:
-        await calls.remote_send(
-            engines, prefill, job, attempt, begin=matched, end=end, kv_addr_info=kv_addr_info,
-            recv_rank=engines.device_id_start(decode.address), receiver=decode.address,
-        )
+        if ahead is not None:
+            await ahead.result()
+        else:
+            await calls.remote_send(
+                engines, prefill, job, attempt, begin=matched, end=end, kv_addr_info=kv_addr_info,
+                recv_rank=recv_rank, receiver=decode.address,
+            )
         record()
 
     if calls.starts_after_kv(engines, decode, attempt):

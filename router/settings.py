@@ -83,6 +83,13 @@ class RouterSettings(BaseSettings):
         "engine's RemoteSend, to begin as the KV lands (on the engine stream, where the decode "
         "engine serves StartGenerateRequest.after_kv_transfer); false: after RemoteSend returns.",
     )
+    send_ahead: bool = Field(
+        default=True,
+        description="Disaggregation: make the prefill engine's RemoteSend together with the decode "
+        "engine's PrepRecv, its receiver's address following on the engine stream once PrepRecv "
+        "answers (where the prefill engine serves RemoteSendRequest.kv_addr_follows), so the "
+        "prefill computes meanwhile; false: RemoteSend after PrepRecv returns.",
+    )
     kv_full_wait_s: float = Field(
         default=5.0, ge=0,
         description="When every engine's KV cache is full, how long a new request waits for room "

@@ -14,7 +14,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from microserving.tokenizer import Tokenizer
@@ -428,12 +428,16 @@ class AsyncEngine:
         end: int,
         export_into: Callable[[int, int], torch.Tensor] | None = None,
         cache_salt: str = "",
+        *,
+        window: Awaitable[tuple[int, Callable[[int, int], torch.Tensor] | None]] | None = None,
     ) -> AsyncIterator[KVChunk]:
         """Compute KV of prompt[:end] and yield [begin, end) in chunks; the job's pages are
         released after the last chunk or when the iterator is closed early.
 
         `export_into(begin, num_tokens)`, when given, names the tensor each chunk is
-        exported into (a shared-memory stage) instead of a new CPU tensor."""
+        exported into (a shared-memory stage) instead of a new CPU tensor. `window`, when
+        given, is awaited once the KV is computed for where the export starts (at or after
+        `begin`) and `export_into`: a send whose receiver was not known when it began."""
         ids = list(token_ids)
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
@@ -444,7 +448,10 @@ class AsyncEngine:
             if isinstance(item, BaseException):
                 is_released = True
                 raise item
-            windows = await self._call("export_windows", request_id)
+            export_begin = begin
+            if window is not None:
+                export_begin, export_into = await window
+            windows = _from_position(await self._call("export_windows", request_id), export_begin)
 
             def export(i: int) -> asyncio.Future[KVChunk]:
                 chunk_begin, num_tokens = windows[i]
@@ -597,3 +604,8 @@ class AsyncEngine:
         self._fail_all(UnavailableError(reason))
         if self._lost_reason is not None and not self._lost_reason.done():
             self._lost_reason.set_result(reason)
+
+
+def _from_position(windows: list[tuple[int, int]], begin: int) -> list[tuple[int, int]]:
+    """The (begin, num_tokens) export windows cut to the positions from `begin` on."""
+    return [(max(start, begin), start + n - max(start, begin)) for start, n in windows if start + n > begin]

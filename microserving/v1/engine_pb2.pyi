@@ -128,6 +128,7 @@ class RemoteSendRequest(_message.Message):
     RECV_RANK_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    KV_ADDR_FOLLOWS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Id of the request (the same as the receiver's PrepRecv)."""
     begin: _builtins.int
@@ -143,6 +144,15 @@ class RemoteSendRequest(_message.Message):
     traceparent: _builtins.str
     """W3C trace context of the request, for a RemoteSend on an Engine.Generate stream (no
     per-call metadata there); empty: none. The unary call carries `traceparent` metadata.
+    """
+    kv_addr_follows: _builtins.bool
+    """The receiver's address comes later: `kv_addr_info` is empty, the engine starts computing
+    the prompt's KV at once and sends it once a `send_to` message for this request arrives on
+    the same Engine.Generate stream (its kv_addr_info, its begin: the receiver's
+    prefix_matched_length, at least this message's `begin`). So the caller can make the
+    receiver's PrepRecv while the sender computes, instead of before. The call's deadline and
+    `cancel` cover the wait. Only on Engine.Generate, only engines whose status has
+    `takes_kv_addr_later`; others refuse it (INVALID_ARGUMENT).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -163,14 +173,51 @@ class RemoteSendRequest(_message.Message):
         recv_rank: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         traceparent: _builtins.str = ...,
+        kv_addr_follows: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "kv_addr_follows", b"kv_addr_follows", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RemoteSendRequest: _TypeAlias = RemoteSendRequest  # noqa: Y015
+
+@_typing.final
+class RemoteSendTarget(_message.Message):
+    """Where a RemoteSend made with `kv_addr_follows` sends its KV (EngineGenerateRequest.send_to)."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    KV_ADDR_INFO_FIELD_NUMBER: _builtins.int
+    BEGIN_FIELD_NUMBER: _builtins.int
+    RECV_RANK_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Id of the RemoteSend this completes (a call open on the same stream)."""
+    kv_addr_info: _builtins.bytes
+    """The receiver's PrepRecvResponse.kv_addr_info, unchanged."""
+    begin: _builtins.int
+    """Start of the window to send: the receiver's prefix_matched_length; not below the
+    RemoteSend's `begin`.
+    """
+    recv_rank: _builtins.int
+    """As RemoteSendRequest.recv_rank."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        kv_addr_info: _builtins.bytes = ...,
+        begin: _builtins.int = ...,
+        recv_rank: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoteSendTarget: _TypeAlias = RemoteSendTarget  # noqa: Y015
 
 @_typing.final
 class RemoteSendResponse(_message.Message):
@@ -323,6 +370,7 @@ class EngineGenerateRequest(_message.Message):
     CANCEL_FIELD_NUMBER: _builtins.int
     PREP_RECV_FIELD_NUMBER: _builtins.int
     REMOTE_SEND_FIELD_NUMBER: _builtins.int
+    SEND_TO_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def start(self) -> Global___StartGenerateRequest:
         """Start a request: the same fields and checks as Engine.StartGenerate."""
@@ -339,6 +387,13 @@ class EngineGenerateRequest(_message.Message):
     def remote_send(self) -> Global___RemoteSendRequest:
         """RemoteSend on this stream (engines whose status has `serves_stream_calls`)."""
 
+    @_builtins.property
+    def send_to(self) -> Global___RemoteSendTarget:
+        """The receiver of a RemoteSend made on this stream with `kv_addr_follows`. It produces
+        no output of its own: the RemoteSend's one output ends both. One for an id with no
+        such call waiting (ended, cancelled, never made) is dropped.
+        """
+
     def __init__(
         self,
         *,
@@ -346,12 +401,13 @@ class EngineGenerateRequest(_message.Message):
         cancel: Global___GenerateCancel | None = ...,
         prep_recv: Global___PrepRecvRequest | None = ...,
         remote_send: Global___RemoteSendRequest | None = ...,
+        send_to: Global___RemoteSendTarget | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "send_to", b"send_to", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "send_to", b"send_to", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "prep_recv", "remote_send"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "prep_recv", "remote_send", "send_to"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 
@@ -644,6 +700,7 @@ class GetStatusResponse(_message.Message):
     IS_DRAINING_FIELD_NUMBER: _builtins.int
     SERVES_STREAM_CALLS_FIELD_NUMBER: _builtins.int
     STARTS_AFTER_KV_TRANSFER_FIELD_NUMBER: _builtins.int
+    TAKES_KV_ADDR_LATER_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model id as clients name it (e.g. "tiny" or the model directory's name)."""
     num_running_requests: _builtins.int
@@ -672,6 +729,8 @@ class GetStatusResponse(_message.Message):
     """StartGenerateRequest.after_kv_transfer is served: a start may wait for its reservation's
     KV transfer to complete.
     """
+    takes_kv_addr_later: _builtins.bool
+    """RemoteSendRequest.kv_addr_follows is served on Engine.Generate (with `send_to`)."""
     @_builtins.property
     def kv_layout(self) -> Global___KVLayout:
         """The KV layout, including the model fingerprint."""
@@ -702,10 +761,11 @@ class GetStatusResponse(_message.Message):
         is_draining: _builtins.bool = ...,
         serves_stream_calls: _builtins.bool = ...,
         starts_after_kv_transfer: _builtins.bool = ...,
+        takes_kv_addr_later: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout", "prefix_cache", b"prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer", "takes_kv_addr_later", b"takes_kv_addr_later"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

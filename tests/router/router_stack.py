@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import os
 import sys
 import time
@@ -139,3 +140,27 @@ async def wait_for(predicate: Any, timeout_s: float = 15.0, interval_s: float = 
             return True
         await asyncio.sleep(interval_s)
     return False
+
+
+_alone_ids = itertools.count()
+
+
+async def disagg_matches_one_engine(shims: Sequence[Shim], tokens: list[int], **settings: Any) -> None:
+    """One disagg request through a router over shims[0] (P) and shims[1] (D), made with
+    `settings`, once both engines' statuses are known: its tokens are shims[2]'s alone, and
+    both engines served it (P computed, D decoded)."""
+    prefill, decode = shims[0].address, shims[1].address
+    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
+                                             **settings))
+    async with running_router(router) as (_, stub):
+        async def statuses_known() -> bool:
+            return all(e.status is not None for e in router.registry.endpoints)
+
+        assert await wait_for(statuses_known)
+        results = await generate(stub, router_pb2.NewRequest(
+            request_id="r", token_ids=router_pb2.TokenIds(ids=tokens), sampling=greedy()))
+    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-{next(_alone_ids)}")
+    got = results["r"]
+    assert got.error is None, got.error
+    assert got.token_ids == want
+    assert got.done is not None and len(got.done.engines) == 2

@@ -12,6 +12,7 @@ import pytest
 from router_stack import (
     Shim,
     engine_alone,
+    engine_status,
     generate,
     greedy,
     kill_all,
@@ -41,8 +42,9 @@ async def test_killed_decode_shim_before_first_token_is_retried_elsewhere(own_sh
     # A long health interval: only the failed call (not a health probe) can take it out.
     router = Router(settings=router_settings(engines, pattern="disagg", health_interval_s=120))
     prompts = ["first request through the doomed engine", "second request elsewhere"]
+    p_free = (await engine_status(prefill.address)).num_free_kv_pages
     async with running_router(router) as (_, stub):
-        doomed.pause()  # frozen: the router's PrepRecv waits on it
+        doomed.pause()  # frozen: the router's PrepRecv waits on it (P's send, made with it, waits too)
         task = asyncio.ensure_future(generate(stub, *(
             router_pb2.NewRequest(request_id=str(i), text=p, sampling=greedy()) for i, p in enumerate(prompts)
         )))
@@ -65,6 +67,11 @@ async def test_killed_decode_shim_before_first_token_is_retried_elsewhere(own_sh
     health = {e.address: e.health for e in status.engines}
     assert health[doomed.address] == router_pb2.ENGINE_HEALTH_UNREACHABLE
     assert health[healthy.address] == router_pb2.ENGINE_HEALTH_SERVING
+
+    async def p_holds_nothing() -> bool:  # the send made for the doomed engine was undone
+        return (await engine_status(prefill.address)).num_free_kv_pages == p_free
+
+    assert await wait_for(p_holds_nothing, timeout_s=5)
 
 
 async def test_stalled_engine_leaves_rotation_at_its_deadline_and_returns_when_healthy(own_shims) -> None:

@@ -9,10 +9,9 @@ import itertools
 from typing import Any
 
 import pytest
-from router_stack import engine_alone, generate, greedy, router_settings, running_router, wait_for
+from router_stack import disagg_matches_one_engine
 
-from microserving.v1 import engine_pb2, router_pb2
-from router import Router
+from microserving.v1 import engine_pb2
 from router.engines import EngineStream
 
 _ids = itertools.count()
@@ -31,30 +30,9 @@ async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_s
     monkeypatch.setattr(EngineStream, "call", recorded)
     prefill, decode = shims[0].address, shims[1].address
     # A prompt no engine has cached, long enough for P to send KV.
-    await _disagg_matches_one_engine(shims, [*range(30, 90), 7 + next(_ids)], engine_stream=engine_stream)
+    await disagg_matches_one_engine(shims, [*range(30, 90), 7 + next(_ids)], engine_stream=engine_stream)
     expected = [("prep_recv", decode), ("remote_send", prefill)] if engine_stream else []
     assert made == expected
-
-
-async def _disagg_matches_one_engine(shims, tokens: list[int], **settings: Any) -> None:
-    """One disagg request through a router over shims[0] (P) and shims[1] (D), made with
-    `settings`, once both engines' statuses are known: its tokens are shims[2]'s alone, and
-    both engines served it (P computed, D decoded)."""
-    prefill, decode = shims[0].address, shims[1].address
-    router = Router(settings=router_settings([f"{prefill}=prefill", f"{decode}=decode"], pattern="disagg",
-                                             **settings))
-    async with running_router(router) as (_, stub):
-        async def statuses_known() -> bool:
-            return all(e.status is not None for e in router.registry.endpoints)
-
-        assert await wait_for(statuses_known)
-        results = await generate(stub, router_pb2.NewRequest(
-            request_id="r", token_ids=router_pb2.TokenIds(ids=tokens), sampling=greedy()))
-    want = await engine_alone(shims[2].address, tokens, greedy(), f"alone-{next(_ids)}")
-    got = results["r"]
-    assert got.error is None, got.error
-    assert got.token_ids == want
-    assert got.done is not None and len(got.done.engines) == 2
 
 
 @pytest.mark.parametrize("start_after_kv", [True, False])
@@ -79,7 +57,7 @@ async def test_disagg_starts_the_decode_with_the_send_where_the_engine_waits_for
 
     monkeypatch.setattr(EngineStream, "call", call)
     monkeypatch.setattr(EngineStream, "start", start)
-    await _disagg_matches_one_engine(shims, [*range(40, 100), 7 + next(_ids)], start_after_kv=start_after_kv)
+    await disagg_matches_one_engine(shims, [*range(40, 100), 7 + next(_ids)], start_after_kv=start_after_kv)
     if start_after_kv:
         assert events == ["prep_recv returned", "start after_kv=True", "remote_send returned"]
     else:

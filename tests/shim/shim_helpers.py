@@ -86,6 +86,18 @@ def decode_shim(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProces
     shim.stop()
 
 
+@pytest.fixture(scope="session")
+def process_core_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
+    """A prefill and a decode shim whose engine cores (and NIXL agents, where NIXL loads) run
+    in processes of their own (`--engine-process on`, nixl_core.py)."""
+    tmp = tmp_path_factory.mktemp("process-core")
+    shims = {role: start_shim(tmp, f"{role}-process", "--role", role, "--engine-process", "on")
+             for role in ("prefill", "decode")}
+    yield shims
+    for shim in shims.values():
+        shim.stop()
+
+
 def engine_stub(address: str) -> tuple[aio.Channel, engine_pb2_grpc.EngineAsyncStub]:
     channel = create_channel(address, TransportSettings())
     return channel, engine_pb2_grpc.EngineStub(channel)  # type: ignore[return-value]

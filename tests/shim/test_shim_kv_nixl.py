@@ -44,17 +44,6 @@ NIXL, WHY_NOT = load_nixl()
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]
 
 
-@pytest.fixture(scope="module")
-def process_core_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
-    """A prefill and a decode shim whose cores (and NIXL agents) run in processes of their own."""
-    tmp = tmp_path_factory.mktemp("nixl-process")
-    shims = {role: start_shim(tmp, f"{role}-process", "--role", role, "--engine-process", "on")
-             for role in ("prefill", "decode")}
-    yield shims
-    for shim in shims.values():
-        shim.stop()
-
-
 @pytest.fixture(params=["thread", "process"])
 def agent_home(request: pytest.FixtureRequest) -> str:
     return str(request.param)

@@ -300,3 +300,22 @@ async def test_mlc_backend_refuses_a_start_after_the_kv_and_does_not_offer_it(ml
         assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert "after_kv_transfer" in output.error.message
         call.cancel()
+
+
+async def test_the_mlc_backend_refuses_a_send_whose_receiver_follows(mlc_pair) -> None:
+    """MLC's remote_send is one HTTP call that takes the receiver's address with it: the
+    shim does not offer RemoteSendRequest.kv_addr_follows and refuses it on the stream."""
+    p_channel, p_stub = engine_stub(mlc_pair["prefill"].address)
+    async with p_channel:
+        status = await p_stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert status.serves_stream_calls and not status.takes_kv_addr_later
+        call = p_stub.Generate()
+        await call.write(engine_pb2.EngineGenerateRequest(remote_send=engine_pb2.RemoteSendRequest(
+            request_id="follows", token_ids=list(range(10, 40)), begin=0, end=-1, sampling=greedy(),
+            kv_addr_follows=True)))
+        message = await asyncio.wait_for(call.read(), 30)
+        (output,) = message.outputs
+        assert output.request_id == "follows"
+        assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+        assert "kv_addr_follows" in output.error.message
+        call.cancel()

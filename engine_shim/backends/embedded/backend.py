@@ -10,10 +10,11 @@ import ipaddress
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from typing import TYPE_CHECKING, Any
 
-from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult
+from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult, SendTarget
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, check_layout
 from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane, NixlPlane, start_agent
@@ -29,6 +30,7 @@ from engine_shim.backends.embedded.kv_plane.shm import (
     StagingPool,
     host_identity,
 )
+from engine_shim.backends.embedded.send_ahead import ChunksAhead, EnteredAhead
 from engine_shim.engine.api import (
     EngineStatus,
     GenerateOutput,
@@ -142,6 +144,7 @@ class EmbeddedBackend:
             max_context_length=engine.max_context_length,
             kv_layout=engine.kv_layout,
             starts_after_kv=True,
+            takes_kv_addr_later=True,
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
         if self._nixl is not None:
             self._sweeper = asyncio.ensure_future(self._sweep_reservations())
@@ -251,24 +254,100 @@ class EmbeddedBackend:
         recv_rank: int,
         sampling: SamplingParams,
     ) -> SendResult:
+        addr = self._checked_addr(request_id, begin, end, kv_addr_info)
+        if addr.begin >= end:  # the receiver already holds the whole window
+            return SendResult(0, 0, 0)
+        if await self._can_write_nixl(addr):
+            times, started = WriteTimes(), time.perf_counter()
+            held = self._held_send(request_id, token_ids, begin, end, sampling, times, started)
+            return await self._write_nixl(request_id, begin, addr, held, times, started)
+        return await self._push(request_id, token_ids, addr, sampling)
+
+    async def remote_send_later(
+        self,
+        request_id: str,
+        token_ids: Sequence[int],
+        begin: int,
+        end: int,
+        sampling: SamplingParams,
+        target: Awaitable[SendTarget],
+    ) -> SendResult:
+        """The send's job goes to the engine now and computes while the caller makes the
+        receiver's PrepRecv. With a NIXL agent here the send is held from the start, for the
+        write that reads its pages in place (a receiver that turns out to take no NIXL write
+        gets a push: the held pages go to the prefix cache and the push computes from
+        there); without one its chunks' export waits for the receiver's window."""
+        started = time.perf_counter()
+        if self._nixl is not None:
+            times = WriteTimes()
+            held = EnteredAhead(self._held_send(request_id, token_ids, begin, end, sampling, times, started))
+            try:
+                addr = await self._target_addr(request_id, end, target)
+                use_nixl = addr.begin < end and await self._can_write_nixl(addr)
+            except BaseException:
+                await held.discard()
+                raise
+            if use_nixl:
+                try:
+                    return await self._write_nixl(request_id, begin, addr, held, times, started)
+                finally:
+                    await held.discard()  # when the write failed before it took the send
+            await held.discard(keep=True)
+            if addr.begin >= end:
+                return SendResult(0, 0, 0)
+            return await self._push(request_id, token_ids, addr, sampling)
+        window: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
+        ahead = ChunksAhead(
+            self.engine.remote_send(request_id, list(token_ids), begin, end,
+                                    cache_salt=sampling.cache_salt, window=window),
+            window,
+        )
+        try:
+            addr = await self._target_addr(request_id, end, target)
+        except BaseException:
+            await ahead.discard()
+            raise
+        if addr.begin >= end:
+            await ahead.discard()
+            return SendResult(0, 0, 0)
+        stage = self._stage(addr)
+        ahead.set_window(addr.begin, self._export_into(addr, stage))
+        return await self._push_chunks(request_id, addr, ahead.chunks(), stage, started)
+
+    async def _target_addr(self, request_id: str, end: int, target: Awaitable[SendTarget]) -> KVAddrInfo:
+        where = await target
+        return self._checked_addr(request_id, where.begin, end, where.kv_addr_info)
+
+    def _checked_addr(self, request_id: str, begin: int, end: int, kv_addr_info: bytes) -> KVAddrInfo:
         addr = KVAddrInfo.decode(kv_addr_info)
         self.kv_peers.check(addr.address)
         _check_window_fits(request_id, begin, end, addr)
         check_layout(addr.layout, self.engine.kv_layout)
-        if addr.begin >= end:  # the receiver already holds the whole window
-            return SendResult(0, 0, 0)
-        if await self._can_write_nixl(addr):
-            return await self._write_nixl(request_id, token_ids, begin, end, addr, sampling)
+        return addr
+
+    async def _push(
+        self, request_id: str, token_ids: Sequence[int], addr: KVAddrInfo, sampling: SamplingParams
+    ) -> SendResult:
+        """The shared-memory stage or the gRPC push, for [addr.begin, addr.end)."""
         stage = self._stage(addr)
-        # With a stage, the engine exports each chunk straight into its window of it.
-        export_into = None if stage is None or addr.shm is None else StageWindow(
-            addr.shm, (addr.end - addr.begin) * bytes_per_token(addr.layout), addr.begin,
-            addr.layout, stage,
-        )
         started = time.perf_counter()
         chunks: AsyncIterator[KVChunk] = self.engine.remote_send(
-            request_id, list(token_ids), addr.begin, end, export_into, sampling.cache_salt
+            request_id, list(token_ids), addr.begin, addr.end, self._export_into(addr, stage),
+            sampling.cache_salt,
         )
+        return await self._push_chunks(request_id, addr, chunks, stage, started)
+
+    def _export_into(self, addr: KVAddrInfo, stage: torch.Tensor | None) -> StageWindow | None:
+        """With a stage, the engine exports each chunk straight into its window of it."""
+        if stage is None or addr.shm is None:
+            return None
+        return StageWindow(addr.shm, (addr.end - addr.begin) * bytes_per_token(addr.layout),
+                           addr.begin, addr.layout, stage)
+
+    async def _push_chunks(
+        self, request_id: str, addr: KVAddrInfo, chunks: AsyncIterator[KVChunk],
+        stage: torch.Tensor | None, started: float,
+    ) -> SendResult:
         num_tokens, num_bytes = await push_kv(
             self._peers,
             addr,
@@ -295,26 +374,32 @@ class EmbeddedBackend:
             return False
         return True
 
-    async def _write_nixl(
-        self,
-        request_id: str,
-        token_ids: Sequence[int],
-        begin: int,
-        end: int,
-        addr: KVAddrInfo,
-        sampling: SamplingParams,
-    ) -> SendResult:
-        assert self._nixl is not None  # checked by _can_write_nixl
-        started = time.perf_counter()
-        times = WriteTimes()
+    def _held_send(
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int,
+        sampling: SamplingParams, times: WriteTimes, started: float,
+    ) -> AbstractAsyncContextManager[list[int] | None]:
+        """The engine's send of [begin, end), held for a NIXL write (AsyncEngine.held_send)."""
+        assert self._nixl is not None  # only where NIXL writes
 
         def accepted() -> None:
             times.accept_ms = (time.perf_counter() - started) * 1e3
 
-        held = self.engine.held_send(
+        return self.engine.held_send(
             request_id, list(token_ids), begin, end, sampling.cache_salt,
             fetch_slots=not self._nixl.reads_held_slots, on_accepted=accepted,
         )
+
+    async def _write_nixl(
+        self,
+        request_id: str,
+        begin: int,
+        addr: KVAddrInfo,
+        held: AbstractAsyncContextManager[list[int] | None],
+        times: WriteTimes,
+        started: float,
+    ) -> SendResult:
+        """Write the held send of [begin, end) into the receiver's [addr.begin, end)."""
+        assert self._nixl is not None  # checked by _can_write_nixl
         num_tokens, num_bytes = await write_kv(
             self._peers, self._nixl, addr, held,
             send_id=request_id, window_begin=begin, write_timeout_s=self._settings.kv_write_timeout_s,

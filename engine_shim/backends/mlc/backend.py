@@ -15,7 +15,7 @@ import base64
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ from engine_shim.backend import (
     KVTransferService,
     Reservation,
     SendResult,
+    SendTarget,
 )
 from engine_shim.backends.mlc import protocol
 from engine_shim.backends.mlc.launcher import MLCProcess
@@ -208,6 +209,13 @@ class MLCBackend:
     async def wait_for_kv(self, request_id: str) -> None:
         # MLC's engines move KV themselves and do not tell the shim when it has landed.
         raise InvalidRequestError("after_kv_transfer: an MLC engine cannot start after a KV transfer")
+
+    async def remote_send_later(
+        self, request_id: str, token_ids: Sequence[int], begin: int, end: int,
+        sampling: SamplingParams, target: Awaitable[SendTarget],
+    ) -> SendResult:
+        # MLC's remote_send is one HTTP call that takes the receiver's address up front.
+        raise InvalidRequestError("kv_addr_follows: an MLC engine needs the receiver's address with the send")
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
