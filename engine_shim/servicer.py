@@ -3,7 +3,8 @@ purpose; errors are mapped once by `map_errors`."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
+from typing import Any
 
 from grpc import aio
 
@@ -103,32 +104,30 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         `target`: where the stream's `send_to` for a send made with kv_addr_follows arrives."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin, end = validation.remote_send_window(request.begin, request.end, len(tokens))
-        if request.kv_addr_follows:
-            self._check_follows(request, target)
-            assert target is not None  # checked
-        else:
+        later = self._checked_follows(request, target, begin, end) if request.kv_addr_follows else None
+        if later is None:
             validation.check_kv_addr_info(request.kv_addr_info)
         self._tracker.begin_remote_send(request.request_id)
         try:
             with _span("shim.remote_send", request.request_id, traceparent):
-                if target is None or not request.kv_addr_follows:
+                if later is None:
                     result = await self._backend.remote_send(
                         request.request_id, tokens, begin, end, request.kv_addr_info,
                         request.recv_rank, sampling,
                     )
                 else:
                     result = await self._backend.remote_send_later(
-                        request.request_id, tokens, begin, end, sampling,
-                        _checked_target(target, begin, end),
-                    )
+                        request.request_id, tokens, begin, end, sampling, later)
         finally:
             self._tracker.end_remote_send(request.request_id)
         return send_result_to_pb(result)
 
-    def _check_follows(
+    def _checked_follows(
         self, request: engine_pb2.RemoteSendRequest,
-        target: Awaitable[engine_pb2.RemoteSendTarget] | None,
-    ) -> None:
+        target: Awaitable[engine_pb2.RemoteSendTarget] | None, begin: int, end: int,
+    ) -> _Target:
+        """A send made with kv_addr_follows: refused where it cannot be served, else its
+        target as the backend awaits it (checked as it comes)."""
         if target is None:
             raise InvalidRequestError(
                 "kv_addr_follows is served on Engine.Generate only (the address follows there "
@@ -139,6 +138,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 "address with the send")
         if request.kv_addr_info:
             raise InvalidRequestError("kv_addr_follows with kv_addr_info: send the address in send_to")
+        return _Target(target, begin, end)
 
     @map_errors
     async def StartGenerate(
@@ -243,16 +243,25 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         return response
 
 
-async def _checked_target(
-    target: Awaitable[engine_pb2.RemoteSendTarget], begin: int, end: int
-) -> SendTarget:
-    """The send_to of a RemoteSend over [begin, end), checked as RemoteSend's own fields."""
-    message = await target
-    if not begin <= message.begin < end:
-        raise InvalidRequestError(
-            f"send_to begin={message.begin} is outside the RemoteSend's window [{begin}, {end})")
-    validation.check_kv_addr_info(message.kv_addr_info)
-    return SendTarget(message.kv_addr_info, message.begin, message.recv_rank)
+class _Target:
+    """The send_to of a RemoteSend over [begin, end), checked as RemoteSend's own fields
+    when awaited (a coroutine made only then: a send that fails first leaves none behind)."""
+
+    def __init__(self, target: Awaitable[engine_pb2.RemoteSendTarget], begin: int, end: int) -> None:
+        self._target = target
+        self._begin = begin
+        self._end = end
+
+    def __await__(self) -> Generator[Any, None, SendTarget]:
+        return self._checked().__await__()
+
+    async def _checked(self) -> SendTarget:
+        message = await self._target
+        if not self._begin <= message.begin < self._end:
+            raise InvalidRequestError(f"send_to begin={message.begin} is outside the RemoteSend's "
+                                      f"window [{self._begin}, {self._end})")
+        validation.check_kv_addr_info(message.kv_addr_info)
+        return SendTarget(message.kv_addr_info, message.begin, message.recv_rank)
 
 
 def _span(name: str, request_id: str, traceparent: str) -> tracing.Span:
