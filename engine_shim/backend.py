@@ -26,7 +26,7 @@ class BackendInfo:
     vocab_size: int
     max_context_length: int
     kv_layout: KVLayout | None  # None when the backend does not expose it (MLC)
-    # wait_for_kv is served: a start may wait for its reservation's KV transfer
+    # generate's after_kv is served: a start may wait for its reservation's KV transfer
     starts_after_kv: bool = False
     # remote_send_later is served: a send may start before its receiver is known
     takes_kv_addr_later: bool = False
@@ -108,24 +108,22 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        after_kv: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
-        """Stream outputs; closing the iterator early aborts the request."""
+        """Stream outputs; closing the iterator early aborts the request. `after_kv`
+        (StartGenerateRequest.after_kv_transfer, only where `info.starts_after_kv`): the
+        request starts once the KV transfer into its PrepRecv reservation has completed, and
+        fails FAILED_PRECONDITION if the reservation ends without it."""
         ...
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        on_output: Callable[[GenerateOutput], None],
+        on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
     ) -> None:
         """`generate` with each output handed to `on_output` as it comes (the multiplexed
         Engine.Generate path); returns once the request finished, raises when it failed.
         Cancelling it aborts the request."""
-        ...
-
-    async def wait_for_kv(self, request_id: str) -> None:
-        """Returns once the KV transfer into the request's PrepRecv reservation has completed
-        (StartGenerateRequest.after_kv_transfer); FailedPreconditionError if the reservation
-        ends without it. Only where `info.starts_after_kv`."""
         ...
 
     async def abort(self, request_id: str) -> bool: ...

@@ -175,9 +175,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._tracker.begin_generate(request.request_id, begin)
         try:
             with _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)):
-                if request.after_kv_transfer:
-                    await self._backend.wait_for_kv(request.request_id)
-                await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output)
+                await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output,
+                                                 after_kv=request.after_kv_transfer)
         finally:
             self._tracker.end_generate(request.request_id)
 
@@ -192,9 +191,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         self._tracker.begin_generate(request.request_id, begin)
         span = _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)).start()
         try:
-            if request.after_kv_transfer:
-                await self._backend.wait_for_kv(request.request_id)
-            outputs = self._backend.generate(request.request_id, tokens, begin, sampling)
+            outputs = self._backend.generate(request.request_id, tokens, begin, sampling,
+                                             after_kv=request.after_kv_transfer)
             try:
                 async for output in outputs:
                     yield output

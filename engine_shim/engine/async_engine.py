@@ -48,7 +48,7 @@ from .core_loop import (
     core_facts,
 )
 from .core_process import ProcessDriver
-from .disaggregation import EngineEvent, SendFailed, SendReady
+from .disaggregation import EngineEvent, SendFailed, SendReady, StartFailed
 from .llm_engine import LLMEngine
 
 if TYPE_CHECKING:
@@ -367,14 +367,16 @@ class AsyncEngine:
         await self._call("hold_reservation", request_id, is_held)
 
     async def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        after_kv: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
-        """start_generate: stream outputs until the request finishes."""
+        """start_generate: stream outputs until the request finishes. `after_kv`: the
+        engine starts it once its reservation's KV is complete (LLMEngine.start_generate)."""
         ids = list(token_ids)
         stream = self._open_stream(self._generate_queues, request_id)
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling)
+            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling, after_kv)
             is_done = False
             while True:
                 item = await stream.get()
@@ -393,7 +395,7 @@ class AsyncEngine:
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        on_output: Callable[[GenerateOutput], None],
+        on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
     ) -> None:
         """start_generate with its outputs handed to `on_output` in the event loop as each
         step delivers them (in order); returns when the request finishes, raises when it
@@ -408,7 +410,7 @@ class AsyncEngine:
         self._generate_queues[request_id] = stream
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling)
+            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling, after_kv)
             is_done = False
             try:
                 await done
@@ -571,6 +573,8 @@ class AsyncEngine:
                 stream, item = send.get(event.request_id), event
             elif isinstance(event, SendFailed):
                 stream, item = send.get(event.request_id), event.error
+            elif isinstance(event, StartFailed):
+                stream, item = generate.get(event.request_id), event.error
             else:
                 continue
             if stream is not None:  # its consumer may have gone: drop the item

@@ -52,7 +52,17 @@ class SendFailed:
     error: Exception
 
 
-EngineEvent = GenerateOutput | SendReady | SendFailed
+@dataclass(frozen=True)
+class StartFailed:
+    """A start that waited in the engine for its reservation's KV (kv_waits.KVWaits) failed
+    without producing output: the reservation ended first, or the start failed once the KV
+    was there."""
+
+    request_id: str
+    error: Exception
+
+
+EngineEvent = GenerateOutput | SendReady | SendFailed | StartFailed
 
 
 @dataclass(eq=False)
@@ -190,7 +200,8 @@ class Disaggregation:
         ttl_s = self.config.reservation_ttl_s
         reservation.expires_at = math.inf if is_held else time.monotonic() + ttl_s
 
-    def import_kv(self, request_id: str, chunk: KVChunk) -> None:
+    def import_kv(self, request_id: str, chunk: KVChunk) -> bool:
+        """-> whether the reservation now holds every position it awaited."""
         reservation = self._reservation(request_id)
         begin, n = chunk.begin, chunk.num_tokens
         matched, end = reservation.prefix_matched_length, reservation.end
@@ -202,6 +213,16 @@ class Disaggregation:
         slots = slots_for_positions(reservation.block_table, self.page_size, begin, begin + n)
         self.kv_cache.import_slots(slots, cast(torch.Tensor, chunk.data))
         reservation.imported[begin - matched : begin - matched + n] = b"\x01" * n
+        return all(reservation.imported)
+
+    def is_filled(self, request_id: str, ids: list[int], begin: int) -> bool:
+        """Whether the reservation a start_generate(ids, begin) continues from has its KV
+        (FailedPreconditionError when there is none, or it cannot serve that start)."""
+        reservation = self.reservations.get(request_id)
+        if reservation is None:
+            raise FailedPreconditionError(f"no open KV reservation for {request_id!r} to wait for")
+        _check_prompt_and_window(reservation, ids, begin)
+        return all(reservation.imported)
 
     def check_chunk_data(self, data: object, num_tokens: int) -> None:
         layout = self.kv_layout
@@ -299,11 +320,15 @@ class Disaggregation:
         return job
 
 
-def _check_covers(reservation: Reservation, ids: list[int], begin: int) -> None:
+def _check_prompt_and_window(reservation: Reservation, ids: list[int], begin: int) -> None:
     if ids[: reservation.end] != reservation.token_ids[: reservation.end]:
         raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
     if begin > reservation.end:
         raise FailedPreconditionError(f"begin={begin} is beyond the prep_recv window end={reservation.end}")
+
+
+def _check_covers(reservation: Reservation, ids: list[int], begin: int) -> None:
+    _check_prompt_and_window(reservation, ids, begin)
     matched = reservation.prefix_matched_length
     if begin > matched and not all(reservation.imported[: begin - matched]):
         raise FailedPreconditionError(f"KV of positions [{matched}, {begin}) has not been fully imported")

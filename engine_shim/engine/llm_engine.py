@@ -43,6 +43,7 @@ from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_conf
 from .cuda_graphs import Feed
 from .disaggregation import Disaggregation, EngineEvent, SendFailed, SendReady
 from .kv_cache import KVCache
+from .kv_waits import KVWaits
 from .model_runner import ModelRunner, RunResult
 from .request import (
     Choice,
@@ -107,6 +108,7 @@ class LLMEngine:
         self.disaggregation = Disaggregation(config, self.block_manager, self.kv_cache, self.kv_layout)
         self._requests: dict[str, GenerateRequest] = {}
         self._events: list[EngineEvent | PackedOutput] = []
+        self._kv_waits = KVWaits(lambda event: self._events.append(event))  # starts waiting for their reservation's KV
         # A core in a process of its own sends its outputs as plain tuples (api.PackedOutput):
         # step() then returns those in place of GenerateOutput.
         self.packs_outputs = False
@@ -160,7 +162,8 @@ class LLMEngine:
     def _is_generating_or_sending(self, request_id: str) -> bool:
         # A reservation of the same id is the one start_generate continues (or, on one
         # engine, the receive half of a flow whose send half is remote_send).
-        return request_id in self._requests or request_id in self.disaggregation.sends
+        return (request_id in self._requests or request_id in self.disaggregation.sends
+                or request_id in self._kv_waits)
 
     def _pages_from_budget(self) -> int:
         per_page = KVCache.bytes_per_token(self.model_config, DTYPES[self.config.dtype]) * self.page_size
@@ -174,8 +177,13 @@ class LLMEngine:
         self.start_generate(request_id, token_ids, 0, sampling or SamplingParams())
 
     def start_generate(
-        self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams,
+        after_kv: bool = False,
     ) -> None:
+        """Start generating from prompt[begin:]. `after_kv`: the request's reservation is
+        still receiving its KV; the start waits here and runs in the turn the KV completes
+        (finish_kv_write, or import_kv's last position), and fails (a StartFailed event) if
+        the reservation ends first (kv_waits.py)."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b = validation.check_start_generate_begin(begin, len(ids))
@@ -185,6 +193,9 @@ class LLMEngine:
         if self._is_generating_or_sending(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self._check_fits_pool(len(ids) + 1)
+        if after_kv and not self.disaggregation.is_filled(request_id, ids, b):
+            self._kv_waits.wait(request_id, lambda: self.start_generate(request_id, ids, b, sampling))
+            return
         reservation = self.disaggregation.take_reservation(request_id, ids, b)
         seq = self._new_seq(request_id, ids, len(ids), SeqKind.GENERATE)
         seq.cache_salt = sampling.cache_salt
@@ -227,6 +238,7 @@ class LLMEngine:
             found = True
             self._drop_seq(job.seq)
             self._events.append(SendFailed(request_id, RequestAbortedError(f"{request_id!r} aborted")))
+        self._kv_waits.ended(request_id)
         return self.disaggregation.release_reservation(request_id) or found
 
     # ---- MicroServing: receiving (prep_recv, KV in, then start_generate) ----
@@ -256,13 +268,15 @@ class LLMEngine:
     def expire_reservation(self, request_id: str) -> bool:
         """The owner's TTL of a held reservation passed: free its pages (fenced, if a peer's
         write may still land); False where none is left (consumed or aborted before)."""
+        self._kv_waits.ended(request_id)
         if not self.disaggregation.release_reservation(request_id):
             return False
         logger.info("prep_recv reservation %s expired unused; reclaiming", request_id)
         return True
 
     def import_kv(self, request_id: str, chunk: KVChunk) -> None:
-        self.disaggregation.import_kv(request_id, chunk)
+        if self.disaggregation.import_kv(request_id, chunk):
+            self._kv_waits.filled(request_id, self.abort)
 
     def begin_kv_write(self, request_id: str, write_ends_at: float) -> None:
         """A peer is about to write [matched, end) of the reservation straight into its pages
@@ -276,6 +290,7 @@ class LLMEngine:
         """The peer's write landed (its notification arrived): [matched, end) is imported,
         and the reservation's TTL starts again, now, for the start_generate to come."""
         self.disaggregation.finish_kv_write(request_id)
+        self._kv_waits.filled(request_id, self.abort)
 
     def cancel_kv_write(self, request_id: str, is_held: bool) -> None:
         """The peer gave up its write before it wrote anything (it says so; a sender that

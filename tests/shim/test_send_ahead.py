@@ -189,7 +189,8 @@ async def test_a_send_to_outside_the_sends_window_fails_it_and_frees_its_pages(
         assert status_code(output.error.code) == grpc.StatusCode.INVALID_ARGUMENT, output
         assert "outside the RemoteSend's window" in output.error.message
         assert await wait_for_free_pages(p_stub, baseline, within_s=2.0) == baseline
-        d_call.cancel()  # D's reservation goes with its stream
+        assert (await d_stub.Abort(engine_pb2.AbortRequest(request_id="ahead-outside"))).was_active
+        d_call.cancel()
         p_call.cancel()
 
 

@@ -5,6 +5,7 @@ into engine_shim.engine goes through this file."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import ipaddress
 import logging
@@ -32,7 +33,9 @@ from engine_shim.backends.embedded.kv_plane.shm import (
 )
 from engine_shim.backends.embedded.send_ahead import ChunksAhead, EnteredAhead
 from engine_shim.engine.api import (
+    EngineError,
     EngineStatus,
+    FailedPreconditionError,
     GenerateOutput,
     InvalidRequestError,
     KVChunk,
@@ -420,28 +423,50 @@ class EmbeddedBackend:
         return self._segments.open(addr.shm, num_kv_bytes)
 
     async def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        after_kv: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
-        self._consume(request_id)
-        outputs = self.engine.generate(request_id, list(token_ids), begin, sampling)
+        if not after_kv:
+            self._consume(request_id)
+        outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, after_kv)
+        closing = asyncio.ensure_future(self._close_when_filled(request_id)) if after_kv else None
         try:
             async for output in outputs:
                 yield output
         finally:
             await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
+            if closing is not None:
+                closing.cancel()
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        on_output: Callable[[GenerateOutput], None],
+        on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
     ) -> None:
-        self._consume(request_id)
-        await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
+        if not after_kv:
+            self._consume(request_id)
+            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
+            return
+        closing = asyncio.ensure_future(self._close_when_filled(request_id))
+        try:
+            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, True)
+        finally:
+            closing.cancel()
 
-    async def wait_for_kv(self, request_id: str) -> None:
-        # Every path into a reservation (PushKV, a NIXL write) ends in the table's finish,
-        # after the engine has the KV (the engine runs calls in order: a start submitted
-        # after it finds the reservation complete).
-        await self._table.wait_filled(request_id)
+    async def _close_when_filled(self, request_id: str) -> None:
+        """Beside a start that waits for its KV in the engine (after_kv, made first: its op
+        is submitted before this runs): the reservation's ticket stays open for the
+        transfer and closes once filled (the engine has started the request by then: every
+        way in ends in the table's finish after the engine's own). A ticket that ends
+        without its KV (an abort, the sender's failure, its TTL) or was never there ends the
+        engine's side now, not at the engine's own TTL: the abort fails the waiting start
+        FAILED_PRECONDITION."""
+        try:
+            await self._table.wait_filled(request_id)
+        except FailedPreconditionError:
+            with contextlib.suppress(EngineError):
+                await self.engine.abort(request_id)
+            return
+        self._table.close(request_id)
 
     async def import_kv(self, request_id: str, chunk: KVChunk) -> None:
         await self.engine.import_kv(request_id, chunk)

@@ -200,15 +200,13 @@ class MLCBackend:
             response.release()  # finished: the connection goes back to the pool
 
     async def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        after_kv: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
+        _refuse_after_kv(after_kv)
         async with self._start_generate(request_id, token_ids, begin, sampling) as response:
             async for output in self._outputs(request_id, response, begin, sampling):
                 yield output
-
-    async def wait_for_kv(self, request_id: str) -> None:
-        # MLC's engines move KV themselves and do not tell the shim when it has landed.
-        raise InvalidRequestError("after_kv_transfer: an MLC engine cannot start after a KV transfer")
 
     async def remote_send_later(
         self, request_id: str, token_ids: Sequence[int], begin: int, end: int,
@@ -219,10 +217,11 @@ class MLCBackend:
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        on_output: Callable[[GenerateOutput], None],
+        on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
     ) -> None:
         # MLC streams each request over an HTTP response of its own: nothing to batch here,
         # but two generator hops per chunk fewer than draining `generate`.
+        _refuse_after_kv(after_kv)
         async with self._start_generate(request_id, token_ids, begin, sampling) as response:
             async for output in self._outputs(request_id, response, begin, sampling):
                 on_output(output)
@@ -289,6 +288,13 @@ class MLCBackend:
             max_context_length=info.max_context_length,
             prefix_cache=PrefixCacheStats(0, 0, 0, 0, 0),
         )
+
+
+def _refuse_after_kv(after_kv: bool) -> None:
+    # MLC's engines move KV themselves and do not tell the shim when it has landed (the
+    # servicer refuses such a start first: the backend's info does not offer it).
+    if after_kv:
+        raise InvalidRequestError("after_kv_transfer: an MLC engine cannot start after a KV transfer")
 
 
 def _check_kv_append_metadata(kv_addr_info: bytes) -> str:

@@ -134,8 +134,10 @@ class SyntheticCore(TransferOps):
 
     # ---- generate ----
     def start_generate(
-        self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams,
+        after_kv: bool = False,
     ) -> None:
+        """As LLMEngine.start_generate, `after_kv` included."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b = validation.check_start_generate_begin(begin, len(ids))
@@ -143,9 +145,12 @@ class SyntheticCore(TransferOps):
             sampling, self.vocab_size, self.max_context_length, len(ids)
         )
         _refuse_unmodelled(sampling)
-        if request_id in self._requests or request_id in self._sends:
+        if request_id in self._requests or request_id in self._sends or request_id in self._kv_waits:
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self.pages.check_fits(len(ids) + 1)
+        if after_kv and not self._kv_is_filled(request_id, ids, b):
+            self._kv_waits.wait(request_id, lambda: self.start_generate(request_id, ids, b, sampling))
+            return
         seq = self._new_seq(request_id, ids, SeqKind.GENERATE)
         reservation = self._reservations.get(request_id)
         if reservation is None and b != 0:

@@ -29,6 +29,7 @@ from engine_shim.engine.api import (
 )
 from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.disaggregation import EngineEvent, SendFailed
+from engine_shim.engine.kv_waits import KVWaits
 from engine_shim.engine.sequence import SeqKind, Sequence
 
 if TYPE_CHECKING:
@@ -80,6 +81,7 @@ class TransferOps:
     def __init__(self) -> None:
         self._sends: dict[str, SyntheticSendJob] = {}
         self._reservations: dict[str, SyntheticReservation] = {}
+        self._kv_waits = KVWaits(lambda event: self._events.append(event))  # as LLMEngine's: starts waiting for their KV
 
     # ---- receiving ----
     def prep_recv(
@@ -116,6 +118,20 @@ class TransferOps:
             )
         _check_positions(chunk.data, begin, n)
         reservation.imported[begin : begin + n] = b"\x01" * n
+        if all(reservation.imported):
+            self._kv_waits.filled(request_id, self.abort)
+
+    def _kv_is_filled(self, request_id: str, ids: list[int], begin: int) -> bool:
+        """As Disaggregation.is_filled: whether the reservation a start continues from has
+        its KV (FailedPreconditionError when there is none, or it cannot serve the start)."""
+        reservation = self._reservations.get(request_id)
+        if reservation is None:
+            raise FailedPreconditionError(f"no open KV reservation for {request_id!r} to wait for")
+        if ids[: reservation.end] != reservation.token_ids:
+            raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
+        if begin > reservation.end:
+            raise FailedPreconditionError(f"begin={begin} is beyond the prep_recv window end={reservation.end}")
+        return all(reservation.imported)
 
     def _check_reservation_covers(
         self, reservation: SyntheticReservation, ids: list[int], begin: int
@@ -131,6 +147,7 @@ class TransferOps:
 
     def expire_reservation(self, request_id: str) -> bool:
         """As the real engine: a held reservation's owner ended it."""
+        self._kv_waits.ended(request_id)
         return self._release_reservation(request_id)
 
     def _release_reservation(self, request_id: str) -> bool:
@@ -221,6 +238,7 @@ class TransferOps:
             found = True
             self._drop_seq(job.seq)
             self._events.append(SendFailed(request_id, RequestAbortedError(f"{request_id!r} aborted")))
+        self._kv_waits.ended(request_id)
         return self._release_reservation(request_id) or found
 
 

@@ -25,7 +25,7 @@ from engine_shim.backends.embedded.kv_plane.nixl_receiver import KVWriteSink, re
 from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable, Ticket
 from engine_shim.backends.embedded.kv_plane.shm import staged_slice
 from engine_shim.convert import layout_from_pb
-from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout
+from engine_shim.engine.api import InvalidRequestError, KVChunk, KVLayout, NotFoundError
 from engine_shim.errors import map_errors
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -159,7 +159,13 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
             # lives as long as the push, however long the sender's queue.
             await self._hold(header.request_id, True)
             num_bytes = await self._receive(header.request_id, ticket, messages)
-            await self._hold(header.request_id, False)
+            try:
+                await self._hold(header.request_id, False)
+            except NotFoundError:
+                # A start waiting in the engine for this KV (after_kv) took the reservation
+                # with the last chunk; one aborted meanwhile has its ticket closed too.
+                if not self._table.is_open(header.request_id, ticket):
+                    raise
         except BaseException:
             # Broken off, cancelled or invalid: nothing stays reserved.
             self._table.close(header.request_id)

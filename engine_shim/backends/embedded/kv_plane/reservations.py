@@ -165,6 +165,10 @@ class ReceiveTable:
         ticket.engine_held = False
         self._give_back(ticket, is_clean=True)
 
+    def is_open(self, request_id: str, ticket: Ticket) -> bool:
+        """Whether `ticket` is still the request's open one."""
+        return self._tickets.get(request_id) is ticket
+
     def close(self, request_id: str) -> Ticket | None:
         """End the ticket (its stage given back); the ticket it was, if any."""
         ticket = self._tickets.pop(request_id, None)
