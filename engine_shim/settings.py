@@ -110,6 +110,13 @@ class ShimSettings(BaseSettings):
         "stage, else the gRPC stream; nixl = NIXL or gRPC (NIXL must load); shm = shared "
         "memory or gRPC; grpc = the gRPC stream only.",
     )
+    start_after_kv_in_engine: bool = Field(
+        True,
+        description="A start that waits for its reservation's KV (after_kv_transfer) waits in "
+        "the engine core and begins in the call that completes the KV; false: it waits in the "
+        "shim and goes to the engine once the KV is there (a round trip more; for side-by-side "
+        "measurements).",
+    )
     kv_write_timeout_s: float = Field(
         10.0,
         gt=0,

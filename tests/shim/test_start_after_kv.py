@@ -7,11 +7,13 @@ there is none, and leaves no page behind; the embedded shim says it serves such 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
 
 import grpc
 import pytest
 from shim_helpers import (
     PROMPT,
+    ShimProcess,
     engine_stub,
     free_pages,
     generate_alone,
@@ -20,6 +22,7 @@ from shim_helpers import (
     next_output,
     prep_recv_message,
     remote_send_message,
+    start_shim,
     streamed_tokens,
     wait_for_free_pages,
 )
@@ -57,9 +60,22 @@ async def test_the_embedded_shim_serves_starts_after_the_kv(decode_shim) -> None
     assert status.starts_after_kv_transfer
 
 
-async def test_a_start_sent_before_the_send_begins_once_the_kv_lands(prefill_shim, decode_shim) -> None:
-    tokens = [*PROMPT[:40], 81, 82]  # a prompt neither engine has seen in another test
-    want = await generate_alone(prefill_shim.address, "alone-after-kv", tokens)
+@pytest.fixture(scope="module")
+def shim_waiting_decode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ShimProcess]:
+    """A decode shim whose starts after the KV wait in the shim, not in the engine core."""
+    shim = start_shim(tmp_path_factory.mktemp("shim-wait"), "decode-shim-wait", "--role", "decode",
+                      "--start-after-kv-in-engine", "false")
+    yield shim
+    shim.stop()
+
+
+@pytest.mark.parametrize("waits_in", ["engine", "shim"])
+async def test_a_start_sent_before_the_send_begins_once_the_kv_lands(request, prefill_shim, waits_in: str) -> None:
+    """The start waits in the engine core (the default) or, with start_after_kv_in_engine
+    off, in the shim; either way it begins once the KV has landed, tokens exact."""
+    decode_shim = request.getfixturevalue("decode_shim" if waits_in == "engine" else "shim_waiting_decode")
+    tokens = [*PROMPT[:40], 81 + (waits_in == "shim"), 82]  # a prompt no engine has seen in another test
+    want = await generate_alone(prefill_shim.address, f"alone-after-kv-{waits_in}", tokens)
     p_channel, p_stub = engine_stub(prefill_shim.address)
     d_channel, d_stub = engine_stub(decode_shim.address)
     async with p_channel, d_channel:

@@ -426,6 +426,7 @@ class EmbeddedBackend:
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         after_kv: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
+        after_kv = await self._start_after_kv(request_id, after_kv)
         if not after_kv:
             self._consume(request_id)
         outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, after_kv)
@@ -442,6 +443,7 @@ class EmbeddedBackend:
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
     ) -> None:
+        after_kv = await self._start_after_kv(request_id, after_kv)
         if not after_kv:
             self._consume(request_id)
             await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
@@ -451,6 +453,15 @@ class EmbeddedBackend:
             await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, True)
         finally:
             closing.cancel()
+
+    async def _start_after_kv(self, request_id: str, after_kv: bool) -> bool:
+        """Whether the start is to wait for its KV in the engine; with
+        start_after_kv_in_engine off, the wait is here (FailedPreconditionError when the
+        reservation ends without its KV) and the start then goes to the engine as any."""
+        if not after_kv or self._settings.start_after_kv_in_engine:
+            return after_kv
+        await self._table.wait_filled(request_id)
+        return False
 
     async def _close_when_filled(self, request_id: str) -> None:
         """Beside a start that waits for its KV in the engine (after_kv, made first: its op
