@@ -205,6 +205,20 @@ def remote_send_message(request_id: str, tokens: list[int], prep: engine_pb2.Pre
         sampling=greedy()))
 
 
+def start_after_kv_message(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineGenerateRequest:
+    """A start that waits for its reservation's KV (StartGenerateRequest.after_kv_transfer)."""
+    return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
+        request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy(), after_kv_transfer=True))
+
+
+async def reserve_on_stream(call, request_id: str, tokens: list[int]) -> engine_pb2.PrepRecvResponse:
+    """PrepRecv made on the stream; its answer, which must not be an error."""
+    await call.write(prep_recv_message(request_id, tokens))
+    output = await next_output(call, request_id)
+    assert output.HasField("prep_recv"), output
+    return output.prep_recv
+
+
 async def next_output(call, request_id: str, timeout_s: float = 60.0) -> engine_pb2.GenerateOutput:
     """The next output of `request_id` on the stream (outputs of other ids are skipped)."""
     async def read() -> engine_pb2.GenerateOutput:

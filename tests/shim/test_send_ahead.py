@@ -26,6 +26,8 @@ from shim_helpers import (
     logged_path,
     next_output,
     prep_recv_message,
+    reserve_on_stream,
+    start_after_kv_message,
     start_shim,
     streamed_tokens,
     wait_for_free_pages,
@@ -79,11 +81,6 @@ def _send_to(request_id: str, prep: engine_pb2.PrepRecvResponse, begin: int | No
         begin=prep.prefix_matched_length if begin is None else begin))
 
 
-def _start_after_kv(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
-        request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy(), after_kv_transfer=True))
-
-
 def _fresh_prompt(length: int) -> list[int]:
     """A prompt no engine of the session has seen (its first token differs)."""
     n = next(_prompts)
@@ -104,11 +101,8 @@ async def _ahead_flow(p_call, d_call, request_id: str, tokens: list[int]
     """P's send first, then D's reservation and waiting start, then D's address to P: D's
     tokens, D's PrepRecv answer and P's RemoteSend output."""
     await p_call.write(_send_ahead(request_id, tokens))
-    await d_call.write(prep_recv_message(request_id, tokens))
-    output = await next_output(d_call, request_id)
-    assert output.HasField("prep_recv"), output
-    prep = output.prep_recv
-    await d_call.write(_start_after_kv(request_id, tokens, prep.end))
+    prep = await reserve_on_stream(d_call, request_id, tokens)
+    await d_call.write(start_after_kv_message(request_id, tokens, prep.end))
     await p_call.write(_send_to(request_id, prep))
     ids = await streamed_tokens(d_call, request_id)
     return ids, prep, await next_output(p_call, request_id)
@@ -182,8 +176,7 @@ async def test_a_send_to_outside_the_sends_window_fails_it_and_frees_its_pages(
         baseline = await free_pages(p_stub)
         p_call, d_call = p_stub.Generate(), d_stub.Generate()
         await p_call.write(_send_ahead("ahead-outside", tokens))
-        await d_call.write(prep_recv_message("ahead-outside", tokens))
-        prep = (await next_output(d_call, "ahead-outside")).prep_recv
+        prep = await reserve_on_stream(d_call, "ahead-outside", tokens)
         await p_call.write(_send_to("ahead-outside", prep, begin=len(tokens) - 1))  # the window's end
         output = await next_output(p_call, "ahead-outside")
         assert status_code(output.error.code) == grpc.StatusCode.INVALID_ARGUMENT, output

@@ -26,6 +26,7 @@ from shim_helpers import (
     next_output,
     prep_recv_message,
     remote_send_message,
+    reserve_on_stream,
     streamed_tokens,
     until_none,
     wait_for_free_pages,
@@ -73,10 +74,7 @@ async def test_pd_over_the_streams_matches_one_engine_alone(prefill_shim, decode
         await introduce(p_stub, decode_shim.address)
         baseline = await free_pages(d_stub)
         d_call, p_call = d_stub.Generate(), p_stub.Generate()
-        await d_call.write(prep_recv_message("streamed", tokens))
-        prep_output = await next_output(d_call, "streamed")
-        assert prep_output.HasField("prep_recv"), prep_output
-        prep = prep_output.prep_recv
+        prep = await reserve_on_stream(d_call, "streamed", tokens)
         assert prep.end == len(tokens) - 1 and prep.prefix_matched_length < prep.end
         await p_call.write(remote_send_message("streamed", tokens, prep))
         sent_output = await next_output(p_call, "streamed")

@@ -17,11 +17,12 @@ from shim_helpers import (
     engine_stub,
     free_pages,
     generate_alone,
-    greedy,
     introduce,
     next_output,
     prep_recv_message,
     remote_send_message,
+    reserve_on_stream,
+    start_after_kv_message,
     start_shim,
     streamed_tokens,
     wait_for_free_pages,
@@ -33,23 +34,11 @@ from microserving.v1 import engine_pb2
 pytestmark = pytest.mark.e2e
 
 
-def _start_after_kv(request_id: str, tokens: list[int], begin: int) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
-        request_id=request_id, token_ids=tokens, begin=begin, sampling=greedy(), after_kv_transfer=True))
-
-
-async def _reserve(call, request_id: str, tokens: list[int]) -> engine_pb2.PrepRecvResponse:
-    await call.write(prep_recv_message(request_id, tokens))
-    output = await next_output(call, request_id)
-    assert output.HasField("prep_recv"), output
-    return output.prep_recv
-
-
 async def _settled(call, request_id: str) -> None:
     """The stream has handled what was written before: a reservation made and dropped after
     it is answered (a start that did not wait would have failed by then, its engine call
     made first)."""
-    await _reserve(call, request_id, [*PROMPT[:20], 3])
+    await reserve_on_stream(call, request_id, [*PROMPT[:20], 3])
     await call.write(engine_pb2.EngineGenerateRequest(cancel=engine_pb2.GenerateCancel(request_id=request_id)))
 
 
@@ -82,9 +71,9 @@ async def test_a_start_sent_before_the_send_begins_once_the_kv_lands(request, pr
         await introduce(p_stub, decode_shim.address)
         baseline = await free_pages(d_stub)
         d_call, p_call = d_stub.Generate(), p_stub.Generate()
-        prep = await _reserve(d_call, "after-kv", tokens)
+        prep = await reserve_on_stream(d_call, "after-kv", tokens)
         assert prep.prefix_matched_length < prep.end == len(tokens) - 1
-        await d_call.write(_start_after_kv("after-kv", tokens, prep.end))
+        await d_call.write(start_after_kv_message("after-kv", tokens, prep.end))
         await _settled(d_call, "after-kv-sentinel")
         # Only now does the KV go: the start is waiting for it on D, not failed.
         await p_call.write(remote_send_message("after-kv", tokens, prep))
@@ -103,8 +92,8 @@ async def test_a_waiting_start_fails_when_its_reservation_ends_without_the_kv(de
     async with channel:
         baseline = await free_pages(stub)
         call = stub.Generate()
-        prep = await _reserve(call, "never-sent", tokens)
-        await call.write(_start_after_kv("never-sent", tokens, prep.end))
+        prep = await reserve_on_stream(call, "never-sent", tokens)
+        await call.write(start_after_kv_message("never-sent", tokens, prep.end))
         await _settled(call, "never-sent-sentinel")
         reply = await stub.Abort(engine_pb2.AbortRequest(request_id="never-sent"))
         assert reply.was_active
@@ -124,7 +113,7 @@ async def test_a_start_after_the_kv_without_a_reservation_fails(decode_shim) -> 
     async with channel:
         call = stub.Generate()
         # begin 0 needs no KV from elsewhere, but a wait for a transfer needs a reservation
-        await call.write(_start_after_kv("no-reservation", [*PROMPT[:10], 85], 0))
+        await call.write(start_after_kv_message("no-reservation", [*PROMPT[:10], 85], 0))
         output = await next_output(call, "no-reservation")
         assert status_code(output.error.code) == grpc.StatusCode.FAILED_PRECONDITION, output
         assert "no open KV reservation" in output.error.message
@@ -141,7 +130,7 @@ async def test_the_unary_start_after_the_kv_waits_for_the_send_too(prefill_shim,
     async with p_channel, d_channel:
         await introduce(p_stub, decode_shim.address)
         prep = await d_stub.PrepRecv(prep_recv_message("unary-after-kv", tokens).prep_recv)
-        start = _start_after_kv("unary-after-kv", tokens, prep.end).start
+        start = start_after_kv_message("unary-after-kv", tokens, prep.end).start
 
         async def decode() -> list[int]:
             return [t async for m in d_stub.StartGenerate(start, timeout=60) for c in m.choices for t in c.token_ids]

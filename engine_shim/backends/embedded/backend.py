@@ -426,42 +426,40 @@ class EmbeddedBackend:
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         after_kv: bool = False,
     ) -> AsyncIterator[GenerateOutput]:
-        after_kv = await self._start_after_kv(request_id, after_kv)
-        if not after_kv:
-            self._consume(request_id)
-        outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, after_kv)
-        closing = asyncio.ensure_future(self._close_when_filled(request_id)) if after_kv else None
-        try:
-            async for output in outputs:
-                yield output
-        finally:
-            await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
-            if closing is not None:
-                closing.cancel()
+        async with self._starting(request_id, after_kv) as in_engine:
+            outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, in_engine)
+            try:
+                async for output in outputs:
+                    yield output
+            finally:
+                await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
     ) -> None:
-        after_kv = await self._start_after_kv(request_id, after_kv)
+        async with self._starting(request_id, after_kv) as in_engine:
+            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, in_engine)
+
+    @contextlib.asynccontextmanager
+    async def _starting(self, request_id: str, after_kv: bool) -> AsyncIterator[bool]:
+        """The reservation's ticket around a start made in the body; yields whether the start
+        is to wait for its KV in the engine. A start that does not takes the reservation
+        (`_consume`); with start_after_kv_in_engine off, one after the KV first waits here
+        (FailedPreconditionError when the reservation ends without it). One that waits in
+        the engine leaves the ticket open for the transfer (`_close_when_filled`)."""
+        if after_kv and not self._settings.start_after_kv_in_engine:
+            await self._table.wait_filled(request_id)
+            after_kv = False
         if not after_kv:
             self._consume(request_id)
-            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output)
+            yield False
             return
         closing = asyncio.ensure_future(self._close_when_filled(request_id))
         try:
-            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, True)
+            yield True
         finally:
             closing.cancel()
-
-    async def _start_after_kv(self, request_id: str, after_kv: bool) -> bool:
-        """Whether the start is to wait for its KV in the engine; with
-        start_after_kv_in_engine off, the wait is here (FailedPreconditionError when the
-        reservation ends without its KV) and the start then goes to the engine as any."""
-        if not after_kv or self._settings.start_after_kv_in_engine:
-            return after_kv
-        await self._table.wait_filled(request_id)
-        return False
 
     async def _close_when_filled(self, request_id: str) -> None:
         """Beside a start that waits for its KV in the engine (after_kv, made first: its op

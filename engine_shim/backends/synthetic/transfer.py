@@ -127,21 +127,13 @@ class TransferOps:
         reservation = self._reservations.get(request_id)
         if reservation is None:
             raise FailedPreconditionError(f"no open KV reservation for {request_id!r} to wait for")
-        if ids[: reservation.end] != reservation.token_ids:
-            raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
-        if begin > reservation.end:
-            raise FailedPreconditionError(f"begin={begin} is beyond the prep_recv window end={reservation.end}")
+        _check_prompt_and_window(reservation, ids, begin)
         return all(reservation.imported)
 
     def _check_reservation_covers(
         self, reservation: SyntheticReservation, ids: list[int], begin: int
     ) -> None:
-        if ids[: reservation.end] != reservation.token_ids:
-            raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
-        if begin > reservation.end:
-            raise FailedPreconditionError(
-                f"begin={begin} is beyond the prep_recv window end={reservation.end}"
-            )
+        _check_prompt_and_window(reservation, ids, begin)
         if not all(reservation.imported[:begin]):
             raise FailedPreconditionError(f"KV of positions [0, {begin}) has not been fully imported")
 
@@ -240,6 +232,14 @@ class TransferOps:
             self._events.append(SendFailed(request_id, RequestAbortedError(f"{request_id!r} aborted")))
         self._kv_waits.ended(request_id)
         return self._release_reservation(request_id) or found
+
+
+def _check_prompt_and_window(reservation: SyntheticReservation, ids: list[int], begin: int) -> None:
+    """A start of `ids` from `begin` can continue from the reservation (its KV aside)."""
+    if ids[: reservation.end] != reservation.token_ids:
+        raise FailedPreconditionError("start_generate prompt differs from the prep_recv prompt")
+    if begin > reservation.end:
+        raise FailedPreconditionError(f"begin={begin} is beyond the prep_recv window end={reservation.end}")
 
 
 def position_stamped_chunk(begin: int, num_tokens: int) -> KVChunk:
