@@ -25,14 +25,16 @@ class _Snapshot:
     processes: dict[str, tuple[float, float]]  # name -> (group CPU s, engine thread CPU s)
     machine_busy_s: float
     client_cpu_s: float
-    routers: RouterSnapshot  # the routers' engine-call and first-token histograms
+    routers: RouterSnapshot  # the routers' engine-call and first-token histograms, the gateway's
     engines: dict[str, engine_steps.Counters]  # each shim's engine steps, from its /metrics
 
 
-def _snapshot(stack: Stack) -> _Snapshot:
+def _snapshot(stack: Stack, client_cpu_s: Callable[[], float]) -> _Snapshot:
     # The metrics last: a scrape takes a few ms, the counters above are the edge.
-    return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), time.process_time(),
-                     scrape(stack.router_metrics_ports), engine_steps.scrape(stack.shim_metrics_ports))
+    gateway = [] if stack.gateway_metrics_port is None else [stack.gateway_metrics_port]
+    return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), client_cpu_s(),
+                     scrape([*stack.router_metrics_ports, *gateway]),
+                     engine_steps.scrape(stack.shim_metrics_ports))
 
 
 # A closed-loop load: (spec, at_edge) -> its result; run_load is the gateway's HTTP client.
@@ -40,12 +42,14 @@ Load = Callable[[LoadSpec, Callable[[str], None]], Awaitable[LoadResult]]
 
 
 async def measure_cell(
-    stack: Stack, spec: LoadSpec, schedule: Nominal, load: Load = run_load
+    stack: Stack, spec: LoadSpec, schedule: Nominal, load: Load = run_load,
+    client_cpu_s: Callable[[], float] = time.process_time,
 ) -> dict[str, Any]:
+    """`client_cpu_s`: the load's CPU seconds so far (this process's for `run_load`)."""
     edges: dict[str, _Snapshot] = {}
 
     def at_edge(edge: str) -> None:
-        edges[edge] = _snapshot(stack)
+        edges[edge] = _snapshot(stack, client_cpu_s)
 
     result = await load(spec, at_edge)
     return cell_figures(result, edges["open"], edges["close"], spec, schedule)
@@ -114,7 +118,7 @@ def cell_figures(
         "completion_tokens_min": min(finished, default=None),
         "completion_tokens_max": max(finished, default=None),
         # PrepRecv / RemoteSend (with its KV push) as the routers timed them, and the router's
-        # own first-token time (the hops below it).
+        # and the gateway's own first-token times (the hops below each).
         **cell_summary(opened.routers, closed.routers),
         "engine_steps": engine_steps.window(opened.engines, closed.engines, window_s),
         "errors": [r.error for r in records if r.error is not None][:10],

@@ -26,6 +26,7 @@ from typing import Any
 from bench.capacity import profiling
 from bench.capacity.cell import measure_cell
 from bench.capacity.client import LoadSpec
+from bench.capacity.client_processes import ClientProcesses
 from bench.capacity.engine_alone import AloneResult, EngineAlone
 from bench.capacity.nominal import nominal
 from bench.capacity.profiling import start_profiles
@@ -68,6 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     p.add_argument("--router-replicas", type=int, default=1,
                    help="router processes over the same engines, all given to the gateway")
+    p.add_argument("--client-processes", type=int, default=1,
+                   help="the closed loop's streams dealt over this many client processes "
+                        "(default 1: one asyncio client sends every request and reads every "
+                        "chunk; on a host with cores to spare, several keep the client's own "
+                        "turnaround out of the figures)")
     p.add_argument("--embed-router", action="store_true",
                    help="the router inside the gateway's process(es) (`microserving serve`), "
                         "no router process")
@@ -165,6 +171,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     alone = None if args.backend == "synthetic" else \
         _engine_alone(args, streams_list, base_spec, options.max_num_seqs)
     rows: list[dict[str, Any]] = []
+    client = ClientProcesses(args.client_processes)
     with service_group(args.out / "logs") as group:
         for pattern in args.patterns:
             stack = await start_stack(group, pattern, options)
@@ -180,7 +187,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                                           streams == max(streams_list)) else \
                         start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s,
                                    args.py_spy_arg)
-                    cell = await measure_cell(stack, spec, schedule)
+                    cell = await (measure_cell(stack, spec, schedule) if args.client_processes == 1
+                                  else measure_cell(stack, spec, schedule, client, client.cpu_s))
                     for profiler in profiles:
                         await asyncio.to_thread(profiler.wait)
                     rounds[streams].append(cell)
@@ -231,10 +239,10 @@ def _steps_text(steps: dict[str, Any] | None) -> str:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (min(args.rounds, args.gateway_workers, args.router_replicas, *args.streams, args.output_len)
-            < 1 or args.input_len < 2):
-        parser.error("--rounds, --streams, --output-len, --gateway-workers and --router-replicas "
-                     "must be >= 1, --input-len >= 2")
+    if (min(args.rounds, args.gateway_workers, args.router_replicas, args.client_processes,
+            *args.streams, args.output_len) < 1 or args.input_len < 2):
+        parser.error("--rounds, --streams, --output-len, --gateway-workers, --router-replicas and "
+                     "--client-processes must be >= 1, --input-len >= 2")
     if args.embed_router and args.router_replicas != 1:
         parser.error("--embed-router runs a router in each gateway worker: no --router-replicas")
     if args.backend != "synthetic" and args.requests is None and args.requests_per_stream is None:

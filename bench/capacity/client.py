@@ -133,8 +133,13 @@ def _on_chunk(chunk: dict[str, Any], record: StreamRecord, now_s: float, window:
 Send = Callable[[list[int], StreamRecord, Window, float], Awaitable[None]]
 
 
-async def run_load(spec: LoadSpec, at_edge: Callable[[str], None] = lambda edge: None) -> LoadResult:
-    """Closed loop of /v1/completions streams over HTTP (see `drive`)."""
+async def run_load(
+    spec: LoadSpec, at_edge: Callable[[str], None] = lambda edge: None,
+    starting: Callable[[], Awaitable[float]] | None = None,
+) -> LoadResult:
+    """Closed loop of /v1/completions streams over HTTP (see `drive`). `starting`, where
+    given, is awaited once the client session exists and returns the clock's origin
+    (perf_counter seconds, maybe ahead): how several client processes start together."""
     connector = aiohttp.TCPConnector(limit=spec.streams)
     async with aiohttp.ClientSession(connector=connector, trust_env=False) as session:
 
@@ -144,13 +149,16 @@ async def run_load(spec: LoadSpec, at_edge: Callable[[str], None] = lambda edge:
             except (TimeoutError, aiohttp.ClientError, ValueError) as error:
                 record.error = f"{type(error).__name__}: {error}"[:200]
 
-        return await drive(spec, send, at_edge)
+        origin_s = None if starting is None else await starting()
+        return await drive(spec, send, at_edge, origin_s)
 
 
-async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None]) -> LoadResult:
-    """Closed loop: `streams` workers, each sending its next request when one ends.
-    `at_edge("open")` and `at_edge("close")` run at the measured window's edges (the caller
-    reads CPU counters there). `send` records its own failures."""
+async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None],
+                origin_s: float | None = None) -> LoadResult:
+    """Closed loop: `streams` workers, each sending its next request when one ends, from
+    `origin_s` (perf_counter seconds; default now). `at_edge("open")` and `at_edge("close")`
+    run at the measured window's edges (the caller reads CPU counters there). `send` records
+    its own failures."""
     rng = random.Random(spec.seed)
     is_timed = spec.duration_s is not None
     window = (
@@ -159,7 +167,7 @@ async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None]) -> L
     )
     records: list[StreamRecord] = []
     remaining = [spec.num_requests or 0]
-    origin_s = time.perf_counter()
+    origin_s = time.perf_counter() if origin_s is None else origin_s
 
     def has_next(now_s: float) -> bool:
         if is_timed:
@@ -176,6 +184,7 @@ async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None]) -> L
     async def sleep_until(t_s: float) -> None:
         await asyncio.sleep(max(0.0, t_s - (time.perf_counter() - origin_s)))
 
+    await sleep_until(0.0)  # an origin ahead: every client process starts together
     if not is_timed:
         at_edge("open")
     workers = [asyncio.create_task(worker()) for _ in range(spec.streams)]

@@ -36,6 +36,12 @@ def group_cpu_s(pgid: int) -> float:
     return total
 
 
+def process_cpu_s(pid: int) -> float:
+    """User + system seconds of one process, all its threads (0 once it is gone)."""
+    fields = _stat_fields(_PROC / str(pid) / "stat")
+    return 0.0 if fields is None else _cpu_s(fields)
+
+
 def thread_cpu_s(tid: int) -> float:
     """User + system seconds of one thread, in whichever process it lives (a shim's engine
     loop runs in the shim or in its engine core process): /proc/TID/task/TID names it."""

@@ -59,7 +59,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     relayed tokens of each control-plane process (shims without their engine thread)."""
     shim_names = sorted({n for r in rows for n in r["cpu_ms_per_1k_tokens"] if n.startswith("shim")})
     head = ["pattern", "streams", "nominal tok/s", "client tok/s", "ratio", "TTFT +p50 ms",
-            "ITL p99 ms", "router TTFT mean ms", "PrepRecv mean ms", "RemoteSend mean ms", "gateway", "router",
+            "ITL p99 ms", "gateway TTFT mean ms", "router TTFT mean ms", "PrepRecv mean ms", "RemoteSend mean ms", "gateway", "router",
             *shim_names, "sum", "engine thr", "client", "busy cores"]
     has_staggered = any("ratio_vs_staggered" in r for r in rows)
     if has_staggered:  # the embedded backend: the engine alone with staggered arrivals too
@@ -75,6 +75,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                  ratio, _fmt(r["ttft_added_p50_ms"], 2), _fmt(r["itl_p99_ms"], 2),
                  # means: exact from the histograms' sums (their quantiles are only as fine as
                  # the buckets; both are in the JSON)
+                 _fmt((r.get("gateway_ttft") or {}).get("mean_ms"), 2),
                  _fmt((r.get("router_ttft") or {}).get("mean_ms"), 2),
                  _fmt((r.get("engine_calls") or {}).get("prep_recv", {}).get("mean_ms"), 2),
                  _fmt((r.get("engine_calls") or {}).get("remote_send", {}).get("mean_ms"), 2),

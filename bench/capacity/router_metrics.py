@@ -1,7 +1,8 @@
-"""What the routers saw during a cell, from their Prometheus /metrics at the window's edges:
-how long the engine calls of a disaggregated request took (PrepRecv, RemoteSend: the KV
-push is inside RemoteSend), and the time to first token measured at the router, which splits
-the client's first-token time into the hops below the router and those above it.
+"""What the routers and the gateway saw during a cell, from their Prometheus /metrics at the
+window's edges: how long the engine calls of a disaggregated request took (PrepRecv,
+RemoteSend: the KV push is inside RemoteSend), and the time to first token measured at the
+router and at the gateway, which split the client's first-token time into the hops below the
+router, the gateway's own, and the client's (its HTTP request and its own turnaround).
 
 Quantiles come from the histograms' bucket counts (linear inside a bucket, as Prometheus's
 histogram_quantile), so they are as fine as the buckets (microserving.metrics)."""
@@ -17,6 +18,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 _CALLS = "microserving_router_engine_call_seconds"
 _TTFT = "microserving_router_time_to_first_token_seconds"
+_GATEWAY_TTFT = "microserving_gateway_time_to_first_token_seconds"
+_SUMMARY_KEYS = {_TTFT: "router_ttft", _GATEWAY_TTFT: "gateway_ttft"}
 _SCRAPE_TIMEOUT_S = 5.0
 
 
@@ -70,9 +73,10 @@ def fetch(port: int) -> str:
 
 
 def scrape(ports: list[int]) -> Snapshot:
-    """Every router's engine-call and first-token histograms, summed over the routers."""
+    """The engine-call and first-token histograms of every page, summed over the routers (a
+    port listed twice, as the gateway's of `microserving serve`, read once)."""
     found: Snapshot = {}
-    for port in ports:
+    for port in dict.fromkeys(ports):
         parse(fetch(port), found)
     return found
 
@@ -81,7 +85,7 @@ def parse(text: str, into: Snapshot | None = None) -> Snapshot:
     """The engine-call and first-token histograms of one /metrics page (added to `into`)."""
     found: Snapshot = {} if into is None else into
     for family in text_string_to_metric_families(text):
-        if family.name not in (_CALLS, _TTFT):
+        if family.name not in (_CALLS, _TTFT, _GATEWAY_TTFT):
             continue
         for sample in family.samples:
             histogram = found.setdefault((family.name, sample.labels.get("call", "")), Histogram())
@@ -96,17 +100,17 @@ def parse(text: str, into: Snapshot | None = None) -> Snapshot:
 
 
 def cell_summary(opened: Snapshot, closed: Snapshot) -> dict[str, Any]:
-    """Per engine call (and the router's first-token time) over the window: count, mean,
-    p50 and p99 in ms."""
+    """Per engine call, and the router's and the gateway's first-token times, over the
+    window: count, mean, p50 and p99 in ms."""
     calls: dict[str, Any] = {}
-    ttft: dict[str, Any] | None = None
+    ttfts: dict[str, dict[str, Any] | None] = dict.fromkeys(_SUMMARY_KEYS.values())
     for key, after in closed.items():
         window = Histogram()
         window.add(after)
         if key in opened:
             window.add(opened[key], sign=-1.0)
-        if key[0] == _TTFT:
-            ttft = window.summary()
+        if key[0] in _SUMMARY_KEYS:
+            ttfts[_SUMMARY_KEYS[key[0]]] = window.summary()
         elif window.count > 0:
             calls[key[1]] = window.summary()
-    return {"engine_calls": calls, "router_ttft": ttft}
+    return {"engine_calls": calls, **ttfts}

@@ -59,6 +59,7 @@ class Stack:
     processes: list[StackProcess] = field(default_factory=list)
     router_metrics_ports: list[int] = field(default_factory=list)  # each router's /metrics
     shim_metrics_ports: dict[str, int] = field(default_factory=dict)  # each shim's, by name
+    gateway_metrics_port: int | None = None  # the gateway's (its HTTP port), every worker's
 
     def cpu_s(self) -> dict[str, tuple[float, float]]:
         return {p.name: p.cpu_s() for p in self.processes}
@@ -132,7 +133,8 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
                  *(StackProcess(n, r) for n, r in zip(router_names, routers, strict=True)),
                  *processes]
     return Stack(pattern, base_url, processes, metrics_ports,
-                 {f"shim-{role}": port for role, port in zip(roles, shim_ports, strict=True)})
+                 {f"shim-{role}": port for role, port in zip(roles, shim_ports, strict=True)},
+                 int(gateway.address.rsplit(":", 1)[1]))
 
 
 def _router_config(group: ServiceGroup, pattern: str, options: StackOptions,

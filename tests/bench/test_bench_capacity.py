@@ -19,10 +19,12 @@ TOY_REQUESTS, TOY_OUTPUT_LEN, TOY_STREAMS = 8, 16, (1, 4)
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("topology", [[], ["--embed-router"]], ids=["split", "serve"])
+@pytest.mark.parametrize("topology", [[], ["--embed-router"], ["--client-processes", "2"]],
+                         ids=["split", "serve", "two-clients"])
 def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str]) -> None:
     """Split: gateway and router processes; serve: the router in the gateway's process, its
-    metrics read from the gateway's /metrics."""
+    metrics read from the gateway's /metrics; two-clients: the split stack driven by two
+    client processes, every request and token of theirs counted once."""
     done = subprocess.run(
         [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path),
          *topology],
@@ -47,7 +49,8 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
         assert 1 <= row["tokens_per_chunk"] <= TOY_OUTPUT_LEN
         shims = {"round-robin": {"shim-both"}, "disagg": {"shim-prefill", "shim-decode"}}[pattern]
         cpu = row["cpu_ms_per_1k_tokens"]
-        assert set(cpu) == {"gateway", "total", *shims} | ({"router"} if not topology else set())
+        embedded = "--embed-router" in topology
+        assert set(cpu) == {"gateway", "total", *shims} | ({"router"} if not embedded else set())
         assert set(row["engine_thread_ms_per_1k_tokens"]) == shims
         # Each shim's /metrics was read at the window's edges (the synthetic engine keeps no
         # step counters: none are reported, and none invented).
@@ -57,6 +60,10 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
         # What the routers timed: every request's first token, and disagg's engine calls
         # (one PrepRecv and one RemoteSend per request in the window).
         assert row["router_ttft"]["count"] >= 1 and row["router_ttft"]["p50_ms"] > 0
+        # The gateway's own, from its /metrics: every request of the cell, no more (a fixed
+        # count: the window is the whole cell), and read once where the router shares the page.
+        assert row["gateway_ttft"]["count"] == TOY_REQUESTS and row["gateway_ttft"]["p50_ms"] > 0
+        assert row["client_cpu_ms_per_1k_tokens"] > 0
         calls = row["engine_calls"]
         if pattern == "disagg":
             assert set(calls) == {"prep_recv", "remote_send"}
@@ -76,3 +83,21 @@ def test_min_requests_lifts_small_cells_only() -> None:
     plain = build_parser().parse_args(["--out", "x", "--requests-per-stream", "4"])
     _, spec = _load_specs(plain)
     assert _num_requests(plain, spec, 1) == 4
+
+
+def test_client_processes_share_the_load_exactly() -> None:
+    from bench.capacity.client import LoadSpec
+    from bench.capacity.client_processes import deal, shares
+
+    assert deal(7, 3) == [3, 2, 2] and deal(2, 4) == [1, 1, 0, 0]
+    spec = LoadSpec(base_url="", model="m", streams=7, input_len=4, output_len=4, num_requests=30,
+                    seed=5)
+    parts = shares(spec, 3)
+    assert [p.streams for p in parts] == [3, 2, 2]
+    assert sum(p.num_requests or 0 for p in parts) == 30
+    assert all(abs((p.num_requests or 0) - 30 * p.streams / 7) < 1 for p in parts)
+    assert len({p.seed for p in parts}) == 3
+    # No process without a stream; a timed load stays timed in every part.
+    timed = LoadSpec(base_url="", model="m", streams=2, input_len=4, output_len=4, duration_s=3.0)
+    assert [(p.streams, p.num_requests, p.duration_s) for p in shares(timed, 4)] == [
+        (1, None, 3.0), (1, None, 3.0)]
