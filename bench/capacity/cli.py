@@ -28,10 +28,10 @@ from bench.capacity.cell import measure_cell
 from bench.capacity.client import LoadSpec
 from bench.capacity.client_processes import ClientProcesses
 from bench.capacity.engine_alone import AloneResult, EngineAlone
-from bench.capacity.nominal import nominal
+from bench.capacity.nominal import Nominal, nominal
 from bench.capacity.profiling import start_profiles
 from bench.capacity.report import fold_rounds, table
-from bench.capacity.stack import ROLES, StackOptions, start_stack
+from bench.capacity.stack import ROLES, Stack, StackOptions, start_stack
 from bench.loadgen.results import machine_info
 from bench.procs import service_group
 from engine_shim.backends.synthetic.profile import (
@@ -69,11 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gateway-workers", type=int, default=1, help="the gateway's --workers")
     p.add_argument("--router-replicas", type=int, default=1,
                    help="router processes over the same engines, all given to the gateway")
-    p.add_argument("--client-processes", type=int, default=1,
+    p.add_argument("--client-processes", type=int, nargs="+", default=[1],
                    help="the closed loop's streams dealt over this many client processes "
                         "(default 1: one asyncio client sends every request and reads every "
                         "chunk; on a host with cores to spare, several keep the client's own "
-                        "turnaround out of the figures)")
+                        "turnaround out of the figures); several counts take turns on the "
+                        "same stack each round, a row each")
     p.add_argument("--embed-router", action="store_true",
                    help="the router inside the gateway's process(es) (`microserving serve`), "
                         "no router process")
@@ -164,6 +165,15 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
         alone.close()
 
 
+async def _measure(stack: Stack, spec: LoadSpec, schedule: Nominal,
+                   client_processes: int) -> dict[str, Any]:
+    """One cell, its load from this process or dealt over `client_processes` processes."""
+    if client_processes == 1:
+        return await measure_cell(stack, spec, schedule)
+    client = ClientProcesses(client_processes)
+    return await measure_cell(stack, spec, schedule, client, client.cpu_s)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = StepProfile.parse(args.step_ms, args.prefill_tok_s)
     streams_list, base_spec = _load_specs(args)
@@ -171,32 +181,36 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     alone = None if args.backend == "synthetic" else \
         _engine_alone(args, streams_list, base_spec, options.max_num_seqs)
     rows: list[dict[str, Any]] = []
-    client = ClientProcesses(args.client_processes)
+    clients = args.client_processes
     with service_group(args.out / "logs") as group:
         for pattern in args.patterns:
             stack = await start_stack(group, pattern, options)
-            rounds: dict[int, list[dict[str, Any]]] = {s: [] for s in streams_list}
+            rounds: dict[tuple[int, int], list[dict[str, Any]]] = {
+                (s, c): [] for s in streams_list for c in clients}
             for round_index in range(args.rounds):
                 for streams in streams_list:
-                    spec = replace(base_spec, base_url=stack.base_url, streams=streams,
-                                   seed=round_index * 1000 + streams,
-                                   num_requests=_num_requests(args, base_spec, streams))
-                    schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
-                        if alone is None else alone[(streams, False)].as_nominal()
-                    profiles = [] if not (args.profile_s and round_index == 0 and
-                                          streams == max(streams_list)) else \
-                        start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s,
-                                   args.py_spy_arg)
-                    cell = await (measure_cell(stack, spec, schedule) if args.client_processes == 1
-                                  else measure_cell(stack, spec, schedule, client, client.cpu_s))
-                    for profiler in profiles:
-                        await asyncio.to_thread(profiler.wait)
-                    rounds[streams].append(cell)
-                    _progress(pattern, streams, round_index, cell)
-                    if spec.duration_s is not None:
-                        await asyncio.sleep(_SETTLE_S)
-            rows += [_with_staggered(fold_rounds(pattern, s, rounds[s]), alone)
-                     for s in streams_list]
+                    # Several client counts take turns on the same stack, in the other order
+                    # each round, so that neither always comes first.
+                    for client_processes in clients if round_index % 2 == 0 else clients[::-1]:
+                        spec = replace(base_spec, base_url=stack.base_url, streams=streams,
+                                       seed=round_index * 1000 + streams,
+                                       num_requests=_num_requests(args, base_spec, streams))
+                        schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
+                            if alone is None else alone[(streams, False)].as_nominal()
+                        profiles = [] if not (args.profile_s and round_index == 0 and
+                                              streams == max(streams_list) and
+                                              client_processes == clients[0]) else \
+                            start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s,
+                                           args.py_spy_arg)
+                        cell = await _measure(stack, spec, schedule, client_processes)
+                        for profiler in profiles:
+                            await asyncio.to_thread(profiler.wait)
+                        rounds[(streams, client_processes)].append(cell)
+                        _progress(pattern, streams, round_index, cell, client_processes)
+                        if spec.duration_s is not None:
+                            await asyncio.sleep(_SETTLE_S)
+            rows += [_with_staggered(fold_rounds(pattern, s, rounds[(s, c)]), alone) | {"client_processes": c}
+                     for s in streams_list for c in clients]
             group.close()
     return {
         "benchmark": "capacity",
@@ -219,8 +233,10 @@ def _with_staggered(row: dict[str, Any],
     return row
 
 
-def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]) -> None:
-    print(f"  {pattern:<12} streams {streams:>4} round {round_index}: "
+def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any],
+              client_processes: int = 1) -> None:
+    clients = "" if client_processes == 1 else f" ({client_processes} client processes)"
+    print(f"  {pattern:<12} streams {streams:>4} round {round_index}{clients}: "
           f"{cell['client_tok_s']:,.0f} tok/s (ratio {cell['ratio']:.2f}), "
           f"CPU {cell['cpu_ms_per_1k_tokens']['total'] or 0:.1f} ms per 1k tokens, "
           f"{cell['num_errors']} errors", file=sys.stderr, flush=True)
@@ -239,7 +255,7 @@ def _steps_text(steps: dict[str, Any] | None) -> str:
 def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if (min(args.rounds, args.gateway_workers, args.router_replicas, args.client_processes,
+    if (min(args.rounds, args.gateway_workers, args.router_replicas, *args.client_processes,
             *args.streams, args.output_len) < 1 or args.input_len < 2):
         parser.error("--rounds, --streams, --output-len, --gateway-workers, --router-replicas and "
                      "--client-processes must be >= 1, --input-len >= 2")

@@ -64,6 +64,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     has_staggered = any("ratio_vs_staggered" in r for r in rows)
     if has_staggered:  # the embedded backend: the engine alone with staggered arrivals too
         head[5:5] = ["alone staggered tok/s", "ratio vs staggered"]
+    has_clients = any(r.get("client_processes", 1) != 1 for r in rows)
+    if has_clients:
+        head[2:2] = ["client processes"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cpu = r["cpu_ms_per_1k_tokens"]
@@ -85,5 +88,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                  _fmt(r["machine_busy_cores"], 2)]
         if has_staggered:
             cells[5:5] = [_fmt(r.get("alone_staggered_tok_s")), _fmt(r.get("ratio_vs_staggered"), 2)]
+        if has_clients:
+            cells[2:2] = [str(r.get("client_processes", 1))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -19,12 +19,12 @@ TOY_REQUESTS, TOY_OUTPUT_LEN, TOY_STREAMS = 8, 16, (1, 4)
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("topology", [[], ["--embed-router"], ["--client-processes", "2"]],
+@pytest.mark.parametrize("topology", [[], ["--embed-router"], ["--client-processes", "1", "2"]],
                          ids=["split", "serve", "two-clients"])
 def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str]) -> None:
     """Split: gateway and router processes; serve: the router in the gateway's process, its
-    metrics read from the gateway's /metrics; two-clients: the split stack driven by two
-    client processes, every request and token of theirs counted once."""
+    metrics read from the gateway's /metrics; two-clients: the split stack driven by one
+    client process and by two in turn, a row each, every request and token counted once."""
     done = subprocess.run(
         [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path),
          *topology],
@@ -35,9 +35,11 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
     assert "| round-robin | 4 |" in done.stdout and "| disagg | 1 |" in done.stdout
     report = json.loads((tmp_path / "capacity.json").read_text())
     assert (tmp_path / "table.md").read_text().startswith("| pattern | streams |")
-    rows = {(r["pattern"], r["streams"]): r for r in report["rows"]}
-    assert set(rows) == {(p, s) for p in ("round-robin", "disagg") for s in TOY_STREAMS}
-    for (pattern, _), row in rows.items():
+    rows = {(r["pattern"], r["streams"], r["client_processes"]): r for r in report["rows"]}
+    clients = (1, 2) if "--client-processes" in topology else (1,)
+    assert set(rows) == {(p, s, c) for p in ("round-robin", "disagg") for s in TOY_STREAMS
+                         for c in clients}
+    for (pattern, _, _), row in rows.items():
         assert row["num_errors"] == 0, row["errors"]
         assert row["num_requests_finished"] == TOY_REQUESTS
         assert row["num_tokens"] == TOY_REQUESTS * TOY_OUTPUT_LEN
