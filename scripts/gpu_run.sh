@@ -46,16 +46,12 @@ for step in $steps; do
         --rounds "${GPU_ROUNDS:-3}" \
         --gateway-workers "${GPU_GATEWAY_WORKERS:-4}" --router-replicas "${GPU_ROUTER_REPLICAS:-2}" \
         ${GPU_CAPACITY_ARGS:-} --out "$out/capacity" 2>&1 | tee "$out/capacity.log" | tail -16 ;;
-    prefill-ab|ab)
-      # Issue 16, side by side in one run: the capacity benchmark once per value of one shim
-      # setting, given to every shim and to the in-process engine alike through its
-      # environment variable. `prefill-ab`: the per-sequence prefill path
-      # (MICROSERVING_SHIM_PAGED_PREFILL=false), then the one-launch paged kernel (default);
-      # `ab`: AB_ENV over AB_VALUES, e.g. AB_ENV=MICROSERVING_SHIM_PREFILL_HOLD_MS AB_VALUES="0 4 8".
-      ab_env="${AB_ENV:-MICROSERVING_SHIM_PAGED_PREFILL}" ab_values="${AB_VALUES:-false true}"
-      [ "$step" = prefill-ab ] && ab_env=MICROSERVING_SHIM_PAGED_PREFILL ab_values="false true"
-      for value in $ab_values; do
-        env "$ab_env=$value" MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" \
+    prefill-ab)
+      # Issue 16, side by side in one run: the capacity benchmark with the per-sequence prefill
+      # path (MICROSERVING_SHIM_PAGED_PREFILL=false), then the one-launch paged kernel (the
+      # default), given to every shim and to the in-process engine alike.
+      for value in false true; do
+        env "MICROSERVING_SHIM_PAGED_PREFILL=$value" MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" \
           timeout "${AB_TIMEOUT_S:-300}" "$python" -m microserving.cli bench capacity --backend embedded \
           --model llama-1b --device cuda --patterns ${AB_PATTERNS:-round-robin} \
           --streams ${AB_STREAMS:-32 64 128} --input-len 256 --output-len 256 \
@@ -64,6 +60,21 @@ for step in $steps; do
           --gateway-workers 4 --router-replicas 2 ${AB_ARGS:-} --out "$out/${step}_$value" 2>&1 \
           | tee "$out/${step}_$value.log" | tail -6
       done ;;
+    ab)
+      # Issue 16, side by side in one run: AB_ENV over AB_VALUES in every stack process (not
+      # the engine alone, measured once), e.g. AB_ENV=MICROSERVING_ROUTER_SEND_AHEAD
+      # AB_VALUES="false true". Each round runs each value on a stack started with it, in the
+      # other order each round (bench capacity --ab-env), so that a drift of the machine over
+      # the run falls on both alike.
+      MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" \
+        timeout "${AB_TIMEOUT_S:-540}" "$python" -m microserving.cli bench capacity --backend embedded \
+        --model llama-1b --device cuda --patterns ${AB_PATTERNS:-round-robin} \
+        --streams ${AB_STREAMS:-32 64 128} --input-len 256 --output-len 256 \
+        --requests-per-stream "${AB_REQUESTS_PER_STREAM:-4}" --min-requests "${AB_MIN_REQUESTS:-24}" \
+        --rounds "${AB_ROUNDS:-2}" --ab-env "${AB_ENV:?AB_ENV names the setting}" \
+        --ab-values ${AB_VALUES:?AB_VALUES lists its values} \
+        --gateway-workers 4 --router-replicas 2 ${AB_ARGS:-} --out "$out/ab" 2>&1 \
+        | tee "$out/ab.log" | tail -8 ;;
     capacity-cpu2)
       # The CPU capacity benchmark (synthetic engines) on two of this host's cores, the size
       # of the development machine, with nothing else running.

@@ -33,7 +33,7 @@ from bench.capacity.profiling import start_profiles
 from bench.capacity.report import fold_rounds, table
 from bench.capacity.stack import ROLES, Stack, StackOptions, start_stack
 from bench.loadgen.results import machine_info
-from bench.procs import service_group
+from bench.procs import ServiceGroup, service_group
 from engine_shim.backends.synthetic.profile import (
     DEFAULT_PREFILL_TOK_S,
     DEFAULT_STEP_MS,
@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "chunk; on a host with cores to spare, several keep the client's own "
                         "turnaround out of the figures); several counts take turns on the "
                         "same stack each round, a row each")
+    p.add_argument("--ab-env", metavar="NAME",
+                   help="side by side over an environment variable of every stack process "
+                        "(not the engine alone): each round runs each --ab-values value on a "
+                        "stack started with it, in the other order each round, a row each")
+    p.add_argument("--ab-values", nargs="+", metavar="VALUE", default=[],
+                   help="the values of --ab-env")
     p.add_argument("--embed-router", action="store_true",
                    help="the router inside the gateway's process(es) (`microserving serve`), "
                         "no router process")
@@ -174,6 +180,61 @@ async def _measure(stack: Stack, spec: LoadSpec, schedule: Nominal,
     return await measure_cell(stack, spec, schedule, client, client.cpu_s)
 
 
+def _turns(items: list[Any], round_index: int) -> list[Any]:
+    """Variants that take turns in a round: in the other order each round, so that none
+    always comes first."""
+    return items if round_index % 2 == 0 else items[::-1]
+
+
+async def _pattern_rows(group: ServiceGroup, pattern: str, args: argparse.Namespace,
+                        options: StackOptions, base_spec: LoadSpec, profile: StepProfile,
+                        alone: dict[tuple[int, bool], AloneResult] | None) -> list[dict[str, Any]]:
+    """Every round of one pattern: per round, each --ab-values value on a stack started
+    with it (the one stack for all rounds without --ab-env), each stream count, each client
+    process count; a row per (streams, client processes, value), its rounds folded."""
+    streams_list, clients = args.streams, args.client_processes
+    values: list[str | None] = list(args.ab_values) if args.ab_env else [None]
+    rounds: dict[tuple[int, int, str | None], list[dict[str, Any]]] = {
+        (s, c, v): [] for s in streams_list for c in clients for v in values}
+    stack: Stack | None = None
+    for round_index in range(args.rounds):
+        for value in _turns(values, round_index):
+            if stack is None:
+                stack = await start_stack(group, pattern, options if value is None else replace(
+                    options, env=((args.ab_env, value),), label=f"-{value}-r{round_index}"))
+            for streams in streams_list:
+                for client_processes in _turns(clients, round_index):
+                    spec = replace(base_spec, base_url=stack.base_url, streams=streams,
+                                   seed=round_index * 1000 + streams,
+                                   num_requests=_num_requests(args, base_spec, streams))
+                    schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
+                        if alone is None else alone[(streams, False)].as_nominal()
+                    profiles = [] if not (args.profile_s and round_index == 0 and
+                                          streams == max(streams_list) and
+                                          client_processes == clients[0] and value == values[0]) else \
+                        start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s,
+                                       args.py_spy_arg)
+                    cell = await _measure(stack, spec, schedule, client_processes)
+                    for profiler in profiles:
+                        await asyncio.to_thread(profiler.wait)
+                    rounds[(streams, client_processes, value)].append(cell)
+                    _progress(pattern, streams, round_index, cell, client_processes, value)
+                    if spec.duration_s is not None:
+                        await asyncio.sleep(_SETTLE_S)
+            if value is not None:  # the next value gets a stack of its own
+                group.close()
+                stack = None
+    group.close()
+    rows = []
+    for (streams, client_processes, value), cells in rounds.items():
+        row = _with_staggered(fold_rounds(pattern, streams, cells), alone)
+        row["client_processes"] = client_processes
+        if value is not None:
+            row["ab"] = {"env": args.ab_env, "value": value}
+        rows.append(row)
+    return rows
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = StepProfile.parse(args.step_ms, args.prefill_tok_s)
     streams_list, base_spec = _load_specs(args)
@@ -181,37 +242,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     alone = None if args.backend == "synthetic" else \
         _engine_alone(args, streams_list, base_spec, options.max_num_seqs)
     rows: list[dict[str, Any]] = []
-    clients = args.client_processes
     with service_group(args.out / "logs") as group:
         for pattern in args.patterns:
-            stack = await start_stack(group, pattern, options)
-            rounds: dict[tuple[int, int], list[dict[str, Any]]] = {
-                (s, c): [] for s in streams_list for c in clients}
-            for round_index in range(args.rounds):
-                for streams in streams_list:
-                    # Several client counts take turns on the same stack, in the other order
-                    # each round, so that neither always comes first.
-                    for client_processes in clients if round_index % 2 == 0 else clients[::-1]:
-                        spec = replace(base_spec, base_url=stack.base_url, streams=streams,
-                                       seed=round_index * 1000 + streams,
-                                       num_requests=_num_requests(args, base_spec, streams))
-                        schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
-                            if alone is None else alone[(streams, False)].as_nominal()
-                        profiles = [] if not (args.profile_s and round_index == 0 and
-                                              streams == max(streams_list) and
-                                              client_processes == clients[0]) else \
-                            start_profiles(stack, args.out, f"{pattern}-{streams}", args.profile_s,
-                                           args.py_spy_arg)
-                        cell = await _measure(stack, spec, schedule, client_processes)
-                        for profiler in profiles:
-                            await asyncio.to_thread(profiler.wait)
-                        rounds[(streams, client_processes)].append(cell)
-                        _progress(pattern, streams, round_index, cell, client_processes)
-                        if spec.duration_s is not None:
-                            await asyncio.sleep(_SETTLE_S)
-            rows += [_with_staggered(fold_rounds(pattern, s, rounds[(s, c)]), alone) | {"client_processes": c}
-                     for s in streams_list for c in clients]
-            group.close()
+            rows += await _pattern_rows(group, pattern, args, options, base_spec, profile, alone)
     return {
         "benchmark": "capacity",
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -234,8 +267,9 @@ def _with_staggered(row: dict[str, Any],
 
 
 def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any],
-              client_processes: int = 1) -> None:
+              client_processes: int = 1, value: str | None = None) -> None:
     clients = "" if client_processes == 1 else f" ({client_processes} client processes)"
+    clients += "" if value is None else f" [{value}]"
     print(f"  {pattern:<12} streams {streams:>4} round {round_index}{clients}: "
           f"{cell['client_tok_s']:,.0f} tok/s (ratio {cell['ratio']:.2f}), "
           f"CPU {cell['cpu_ms_per_1k_tokens']['total'] or 0:.1f} ms per 1k tokens, "
@@ -259,6 +293,8 @@ def main(argv: list[str]) -> int:
             *args.streams, args.output_len) < 1 or args.input_len < 2):
         parser.error("--rounds, --streams, --output-len, --gateway-workers, --router-replicas and "
                      "--client-processes must be >= 1, --input-len >= 2")
+    if bool(args.ab_env) != bool(args.ab_values):
+        parser.error("--ab-env and --ab-values go together")
     if args.embed_router and args.router_replicas != 1:
         parser.error("--embed-router runs a router in each gateway worker: no --router-replicas")
     if args.backend != "synthetic" and args.requests is None and args.requests_per_stream is None:

@@ -67,6 +67,9 @@ def table(rows: list[dict[str, Any]]) -> str:
     has_clients = any(r.get("client_processes", 1) != 1 for r in rows)
     if has_clients:
         head[2:2] = ["client processes"]
+    ab_names = sorted({r["ab"]["env"] for r in rows if "ab" in r})
+    if ab_names:
+        head[2:2] = ab_names[:1]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cpu = r["cpu_ms_per_1k_tokens"]
@@ -90,5 +93,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             cells[5:5] = [_fmt(r.get("alone_staggered_tok_s")), _fmt(r.get("ratio_vs_staggered"), 2)]
         if has_clients:
             cells[2:2] = [str(r.get("client_processes", 1))]
+        if ab_names:
+            cells[2:2] = [str(r.get("ab", {}).get("value", "-"))]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +36,8 @@ class StackOptions:
     backend: str = "synthetic"  # or "embedded": the real engine (e.g. on a GPU)
     device: str = "cpu"
     shim_args: tuple[str, ...] = ()  # e.g. ("--stream-updates-per-s", "0")
+    env: tuple[tuple[str, str], ...] = ()  # set in every process's environment
+    label: str = ""  # after the pattern in the processes' log names (stacks one after another)
 
 
 @dataclass
@@ -85,11 +88,13 @@ def engine_tid(service: ServiceProcess) -> int:
 
 async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) -> Stack:
     roles = ROLES[pattern]
+    env = {**os.environ, **dict(options.env)} if options.env else None
+    named = f"{pattern}{options.label}"
     shim_ports = free_ports(len(roles))
     # The shims load side by side (each prints its address once its engine runs).
     shims = await asyncio.gather(*(
-        asyncio.to_thread(group.start, f"{pattern}-shim-{role}",
-                          [*_shim_args(role, options), "--metrics-port", str(port)])
+        asyncio.to_thread(group.start, f"{named}-shim-{role}",
+                          [*_shim_args(role, options), "--metrics-port", str(port)], env=env)
         for role, port in zip(roles, shim_ports, strict=True)
     ))
     processes: list[StackProcess] = []
@@ -102,10 +107,10 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
     if options.embed_router:
         router_names: list[str] = []
         config = _router_config(group, pattern, options, engines)
-        gateway = group.start(f"{pattern}-gateway", [
+        gateway = group.start(f"{named}-gateway", [
             "serve", "--router-config", str(config), "--host", "127.0.0.1",
             "--port", "0", "--log-level", "warning", *workers,
-        ])
+        ], env=env)
         routers = []
         # The router's metrics are on the gateway's /metrics (every worker's summed).
         metrics_ports = [int(gateway.address.rsplit(":", 1)[1])]
@@ -114,19 +119,19 @@ async def start_stack(group: ServiceGroup, pattern: str, options: StackOptions) 
                         else [f"router-{i}" for i in range(options.router_replicas)])
         metrics_ports = free_ports(len(router_names))
         routers = await asyncio.gather(*(
-            asyncio.to_thread(group.start, f"{pattern}-{name}", [
+            asyncio.to_thread(group.start, f"{named}-{name}", [
                 "router", *(f"--engine={e}" for e in engines), "--pattern", pattern, "--model", options.model,
                 "--host", "127.0.0.1", "--port", "0", "--log-level", "WARNING",
                 "--metrics-port", str(port), *options.router_args,
-            ])
+            ], env=env)
             for name, port in zip(router_names, metrics_ports, strict=True)
         ))
         for router in routers:
             await wait_grpc_serving(router.address, options.startup_timeout_s)
-        gateway = group.start(f"{pattern}-gateway", [
+        gateway = group.start(f"{named}-gateway", [
             "gateway", "--router", ",".join(r.address for r in routers), "--host", "127.0.0.1",
             "--port", "0", "--log-level", "warning", *workers,
-        ])
+        ], env=env)
     base_url = f"http://{gateway.address}/v1"
     await wait_http_ready(f"{base_url[:-3]}/health", options.startup_timeout_s)
     processes = [StackProcess("gateway", gateway),

@@ -103,3 +103,27 @@ def test_client_processes_share_the_load_exactly() -> None:
     timed = LoadSpec(base_url="", model="m", streams=2, input_len=4, output_len=4, duration_s=3.0)
     assert [(p.streams, p.num_requests, p.duration_s) for p in shares(timed, 4)] == [
         (1, None, 3.0), (1, None, 3.0)]
+
+
+def test_ab_values_take_turns_on_stacks_of_their_own(tmp_path: Path) -> None:
+    """--ab-env: each value a row of its own, measured on a stack started with it for every
+    round (the logs show one stack per value and round), in the other order each round."""
+    done = subprocess.run(
+        [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--out", str(tmp_path),
+         "--patterns", "round-robin", "--streams", "2", "--requests", "4", "--output-len", "8",
+         "--rounds", "2", "--ab-env", "MICROSERVING_ROUTER_SEND_AHEAD", "--ab-values", "false", "true"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=240,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "capacity.json").read_text())
+    values = [row["ab"] for row in report["rows"]]
+    assert values == [{"env": "MICROSERVING_ROUTER_SEND_AHEAD", "value": v} for v in ("false", "true")]
+    for row in report["rows"]:
+        assert row["num_rounds"] == 2 and row["num_errors"] == 0 and row["num_tokens"] == 2 * 4 * 8  # both rounds
+    logs = {p.name for p in (tmp_path / "logs").iterdir()}
+    assert {f"round-robin-{v}-r{r}-gateway.log" for v in ("false", "true") for r in (0, 1)} <= logs
+    # Round 0 runs false first, round 1 true first.
+    order = [line.split("[")[1].split("]")[0] for line in done.stderr.splitlines() if " round " in line and "[" in line]
+    assert order == ["false", "true", "true", "false"]
+    assert "| MICROSERVING_ROUTER_SEND_AHEAD |" in (tmp_path / "table.md").read_text().splitlines()[0]
