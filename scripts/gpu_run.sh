@@ -38,14 +38,15 @@ for step in $steps; do
     capacity)
       # Issue 16: the engine alone in-process against the whole stack (gateway workers, router
       # replicas, shims) on the same closed-loop workload, round-robin (one engine) and disagg
-      # (1P:1D on the one GPU), with each process's CPU.
+      # (1P:1D on the one GPU), with each process's CPU; each round's cells against the engine
+      # alone run right before them (the H200's speed drifted by up to 7% between rounds).
       MICROSERVING_SHIM_KV_CACHE_MEMORY_MB="${GPU_KV_MB:-16384}" timeout "${GPU_CAPACITY_TIMEOUT_S:-540}" \
         "$python" -m microserving.cli bench capacity --backend embedded --model llama-1b \
         --device cuda --streams ${GPU_STREAMS:-1 32 64 128} --input-len 256 --output-len 256 \
         --requests-per-stream "${GPU_REQUESTS_PER_STREAM:-6}" --min-requests "${GPU_MIN_REQUESTS:-24}" \
         --rounds "${GPU_ROUNDS:-3}" \
         --gateway-workers "${GPU_GATEWAY_WORKERS:-4}" --router-replicas "${GPU_ROUTER_REPLICAS:-2}" \
-        ${GPU_CAPACITY_ARGS:-} --out "$out/capacity" 2>&1 | tee "$out/capacity.log" | tail -16 ;;
+        --alone-each-round ${GPU_CAPACITY_ARGS:-} --out "$out/capacity" 2>&1 | tee "$out/capacity.log" | tail -16 ;;
     prefill-ab)
       # Issue 16, side by side in one run: the capacity benchmark with the per-sequence prefill
       # path (MICROSERVING_SHIM_PAGED_PREFILL=false), then the one-launch paged kernel (the
@@ -73,7 +74,7 @@ for step in $steps; do
         --requests-per-stream "${AB_REQUESTS_PER_STREAM:-4}" --min-requests "${AB_MIN_REQUESTS:-24}" \
         --rounds "${AB_ROUNDS:-2}" --ab-env "${AB_ENV:?AB_ENV names the setting}" \
         --ab-values ${AB_VALUES:?AB_VALUES lists its values} \
-        --gateway-workers 4 --router-replicas 2 ${AB_ARGS:-} --out "$out/ab" 2>&1 \
+        --gateway-workers 4 --router-replicas 2 --alone-each-round ${AB_ARGS:-} --out "$out/ab" 2>&1 \
         | tee "$out/ab.log" | tail -8 ;;
     capacity-cpu2)
       # The CPU capacity benchmark (synthetic engines) on two of this host's cores, the size

@@ -81,6 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "stack started with it, in the other order each round, a row each")
     p.add_argument("--ab-values", nargs="+", metavar="VALUE", default=[],
                    help="the values of --ab-env")
+    p.add_argument("--alone-each-round", action="store_true",
+                   help="--backend embedded: keep the engine alone loaded beside the stacks and "
+                        "run it again right before each round's cells of a stream count, their "
+                        "yardstick (a device whose speed drifts over a run then moves both "
+                        "sides of a ratio alike; needs memory for one more engine)")
     p.add_argument("--embed-router", action="store_true",
                    help="the router inside the gateway's process(es) (`microserving serve`), "
                         "no router process")
@@ -138,37 +143,46 @@ def _num_requests(args: argparse.Namespace, spec: LoadSpec, streams: int) -> int
 
 
 def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadSpec,
-                  max_num_seqs: int) -> dict[tuple[int, bool], AloneResult]:
-    """The real engine alone in this process, each stream count on the same workload, before
-    any shim takes the device: streams started at once (the yardstick of the ratio) and
-    staggered one step apart (EngineAlone.run), keyed (streams, staggered)."""
-    alone = EngineAlone(args.model, args.device, max_num_seqs, {})
-    try:
-        results = {}
-        for streams in streams_list:
-            runs: dict[bool, list[AloneResult]] = {False: [], True: []}
-            for round_index in range(args.rounds):
-                for staggered in (False, True):
-                    profiler = None if not (args.profile_s and staggered and round_index == 0
-                                            and streams == max(streams_list)) else \
-                        profiling.record(alone.pid, args.out / f"profile-alone-{streams}.txt",
-                                         args.profile_s, args.py_spy_arg)
-                    result = alone.run(streams, spec.input_len, spec.output_len,
-                                       _num_requests(args, spec, streams) or 8 * streams,
-                                       seed=round_index * 1000 + streams, staggered=staggered)
-                    print(f"  engine alone streams {streams:>4} round {round_index}"
-                          f"{' staggered' if staggered else ''}: {result.tok_s:,.0f} tok/s, "
-                          f"TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms, {_steps_text(result.engine_steps)}",
-                          file=sys.stderr, flush=True)
-                    runs[staggered].append(result)
-                    if profiler is not None:  # py-spy writes what it has on SIGINT
-                        profiler.send_signal(signal.SIGINT)
-                        profiler.wait()
-            for staggered, found in runs.items():  # the median round of each
-                results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
-        return results
-    finally:
-        alone.close()
+                  alone: EngineAlone) -> dict[tuple[int, bool], AloneResult]:
+    """The real engine alone (in a process of its own), each stream count on the same
+    workload, before any shim takes the device: streams started at once (the yardstick of the
+    ratio) and staggered one step apart (EngineAlone.run), keyed (streams, staggered)."""
+    results = {}
+    for streams in streams_list:
+        runs: dict[bool, list[AloneResult]] = {False: [], True: []}
+        for round_index in range(args.rounds):
+            for staggered in (False, True):
+                profiler = None if not (args.profile_s and staggered and round_index == 0
+                                        and streams == max(streams_list)) else \
+                    profiling.record(alone.pid, args.out / f"profile-alone-{streams}.txt",
+                                     args.profile_s, args.py_spy_arg)
+                result = alone.run(streams, spec.input_len, spec.output_len,
+                                   _num_requests(args, spec, streams) or 8 * streams,
+                                   seed=round_index * 1000 + streams, staggered=staggered)
+                print(f"  engine alone streams {streams:>4} round {round_index}"
+                      f"{' staggered' if staggered else ''}: {result.tok_s:,.0f} tok/s, "
+                      f"TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms, {_steps_text(result.engine_steps)}",
+                      file=sys.stderr, flush=True)
+                runs[staggered].append(result)
+                if profiler is not None:  # py-spy writes what it has on SIGINT
+                    profiler.send_signal(signal.SIGINT)
+                    profiler.wait()
+        for staggered, found in runs.items():  # the median round of each
+            results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
+    return results
+
+
+def _alone_now(engine: EngineAlone, args: argparse.Namespace, spec: LoadSpec, streams: int,
+               round_index: int) -> AloneResult:
+    """--alone-each-round: the engine alone at `streams` once more, right before the stack's
+    cells of this round, their yardstick."""
+    result = engine.run(streams, spec.input_len, spec.output_len,
+                        _num_requests(args, spec, streams) or 8 * streams,
+                        seed=round_index * 1000 + streams)
+    print(f"  engine alone streams {streams:>4} round {round_index} (this round's yardstick): "
+          f"{result.tok_s:,.0f} tok/s, TTFT p50 {result.ttft_p50_s * 1e3:.2f} ms",
+          file=sys.stderr, flush=True)
+    return result
 
 
 async def _measure(stack: Stack, spec: LoadSpec, schedule: Nominal,
@@ -188,10 +202,13 @@ def _turns(items: list[Any], round_index: int) -> list[Any]:
 
 async def _pattern_rows(group: ServiceGroup, pattern: str, args: argparse.Namespace,
                         options: StackOptions, base_spec: LoadSpec, profile: StepProfile,
-                        alone: dict[tuple[int, bool], AloneResult] | None) -> list[dict[str, Any]]:
+                        alone: dict[tuple[int, bool], AloneResult] | None,
+                        engine: EngineAlone | None) -> list[dict[str, Any]]:
     """Every round of one pattern: per round, each --ab-values value on a stack started
     with it (the one stack for all rounds without --ab-env), each stream count, each client
-    process count; a row per (streams, client processes, value), its rounds folded."""
+    process count; a row per (streams, client processes, value), its rounds folded. With
+    `engine` (--alone-each-round) each round's cells of a stream count are measured against
+    the engine alone run right before them, not against the runs before every stack."""
     streams_list, clients = args.streams, args.client_processes
     values: list[str | None] = list(args.ab_values) if args.ab_env else [None]
     rounds: dict[tuple[int, int, str | None], list[dict[str, Any]]] = {
@@ -203,12 +220,13 @@ async def _pattern_rows(group: ServiceGroup, pattern: str, args: argparse.Namesp
                 stack = await start_stack(group, pattern, options if value is None else replace(
                     options, env=((args.ab_env, value),), label=f"-{value}-r{round_index}"))
             for streams in streams_list:
+                now = None if engine is None else _alone_now(engine, args, base_spec, streams, round_index)
                 for client_processes in _turns(clients, round_index):
                     spec = replace(base_spec, base_url=stack.base_url, streams=streams,
                                    seed=round_index * 1000 + streams,
                                    num_requests=_num_requests(args, base_spec, streams))
-                    schedule = nominal(pattern, streams, profile, spec.input_len, spec.output_len) \
-                        if alone is None else alone[(streams, False)].as_nominal()
+                    schedule = (nominal(pattern, streams, profile, spec.input_len, spec.output_len)
+                                if alone is None else (now or alone[(streams, False)]).as_nominal())
                     profiles = [] if not (args.profile_s and round_index == 0 and
                                           streams == max(streams_list) and
                                           client_processes == clients[0] and value == values[0]) else \
@@ -239,12 +257,21 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = StepProfile.parse(args.step_ms, args.prefill_tok_s)
     streams_list, base_spec = _load_specs(args)
     options = _stack_options(args, max(streams_list))
-    alone = None if args.backend == "synthetic" else \
-        _engine_alone(args, streams_list, base_spec, options.max_num_seqs)
+    engine = None if args.backend == "synthetic" else \
+        EngineAlone(args.model, args.device, options.max_num_seqs, {})
     rows: list[dict[str, Any]] = []
-    with service_group(args.out / "logs") as group:
-        for pattern in args.patterns:
-            rows += await _pattern_rows(group, pattern, args, options, base_spec, profile, alone)
+    try:
+        alone = None if engine is None else _engine_alone(args, streams_list, base_spec, engine)
+        if engine is not None and not args.alone_each_round:
+            engine.close()  # the device is the stacks' from here
+            engine = None
+        with service_group(args.out / "logs") as group:
+            for pattern in args.patterns:
+                rows += await _pattern_rows(group, pattern, args, options, base_spec, profile,
+                                            alone, engine)
+    finally:
+        if engine is not None:
+            engine.close()
     return {
         "benchmark": "capacity",
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -293,6 +320,8 @@ def main(argv: list[str]) -> int:
             *args.streams, args.output_len) < 1 or args.input_len < 2):
         parser.error("--rounds, --streams, --output-len, --gateway-workers, --router-replicas and "
                      "--client-processes must be >= 1, --input-len >= 2")
+    if args.alone_each_round and args.backend == "synthetic":
+        parser.error("--alone-each-round measures the embedded engine alone: with --backend embedded")
     if bool(args.ab_env) != bool(args.ab_values):
         parser.error("--ab-env and --ab-values go together")
     if args.embed_router and args.router_replicas != 1:

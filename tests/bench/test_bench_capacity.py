@@ -127,3 +127,25 @@ def test_ab_values_take_turns_on_stacks_of_their_own(tmp_path: Path) -> None:
     order = [line.split("[")[1].split("]")[0] for line in done.stderr.splitlines() if " round " in line and "[" in line]
     assert order == ["false", "true", "true", "false"]
     assert "| MICROSERVING_ROUTER_SEND_AHEAD |" in (tmp_path / "table.md").read_text().splitlines()[0]
+
+
+def test_alone_each_round_measures_each_round_against_its_own_yardstick(tmp_path: Path) -> None:
+    """--backend embedded --alone-each-round: the engine alone runs again right before each
+    round's cells, and each round's ratio is against that run (printed, then in the JSON)."""
+    done = subprocess.run(
+        [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--out", str(tmp_path),
+         "--backend", "embedded", "--model", "tiny", "--device", "cpu", "--patterns", "round-robin",
+         "--streams", "1", "--requests", "2", "--input-len", "8", "--output-len", "4",
+         "--rounds", "2", "--alone-each-round"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    yardsticks = [float(line.split(": ")[1].split(" tok/s")[0].replace(",", ""))
+                  for line in done.stderr.splitlines() if "this round's yardstick" in line]
+    assert len(yardsticks) == 2
+    [row] = json.loads((tmp_path / "capacity.json").read_text())["rows"]
+    assert row["num_errors"] == 0 and row["num_tokens"] == 2 * 2 * 4
+    for cell, yardstick in zip(row["rounds"], yardsticks, strict=True):
+        assert cell["nominal_tok_s"] == pytest.approx(yardstick, abs=0.51)  # printed rounded
+        assert cell["ratio"] == pytest.approx(cell["client_tok_s"] / cell["nominal_tok_s"])
