@@ -27,6 +27,7 @@ from gateway.settings import (
     reject_unknown_env,
     worker_settings_json,
 )
+from gateway.workers import ReusePortWorkers, reuse_port_balances, tcp_socket
 from microserving.tracing import configure_logging
 
 
@@ -37,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "several comma-separated for router replicas")
     parser.add_argument("--workers", type=int,
                         help="worker processes sharing the HTTP port (default 1)")
+    parser.add_argument("--reuse-port", action=argparse.BooleanOptionalAction, default=None,
+                        help="with --workers: a listening socket per worker (SO_REUSEPORT, the "
+                             "kernel spreads connections evenly; default on Linux) or one shared")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port, 0 for any (default 8000)")
     parser.add_argument("--api-key", dest="api_keys", action="append",
@@ -81,16 +85,8 @@ def settings_from_namespace(args: argparse.Namespace) -> GatewaySettings:
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # proto=IPPROTO_TCP, not 0: asyncio turns on TCP_NODELAY only for sockets whose proto
-    # says TCP, and accepted sockets inherit it; without it Nagle holds back the first SSE
-    # chunk of a reused connection for ~40 ms.
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    """The listening socket of one process (or of every worker, sharing it)."""
+    return tcp_socket(host, port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,18 +105,23 @@ def serve(settings: GatewaySettings, build_app: Callable[[], FastAPI], worker_fa
     `settings.workers` processes that each build theirs with `worker_factory` (an import path
     that uvicorn calls, reading the settings from the environment)."""
     configure_logging(settings.log_level)
+    own_sockets = settings.workers > 1 and settings.reuse_port and reuse_port_balances()
     try:
-        sock = bind_socket(settings.host, settings.port)
+        # With a socket per worker, the parent's holds the port (bound, never listening:
+        # it takes no connections) while the workers bind theirs beside it.
+        sock = (tcp_socket(settings.host, settings.port, reuse_port=True, listen=False)
+                if own_sockets else bind_socket(settings.host, settings.port))
     except OSError as error:
         print(f"microserving gateway: cannot listen on {settings.host}:{settings.port}: "
               f"{error.strerror}", file=sys.stderr)
         return 1
     host, port = sock.getsockname()[:2]
-    print(f"microserving gateway listening on {host}:{port} ({router_text}, "
-          f"{settings.workers} worker{'s' if settings.workers > 1 else ''})", flush=True)
+    listening = (f"microserving gateway listening on {host}:{port} ({router_text}, "
+                 f"{settings.workers} worker{'s' if settings.workers > 1 else ''})")
     if settings.workers > 1:
-        _run_workers(settings, sock, worker_factory)
+        _run_workers(settings, sock, worker_factory, listening, own_sockets)
         return 0
+    print(listening, flush=True)
     config = uvicorn.Config(build_app(), log_level=settings.log_level,
                             access_log=False, timeout_graceful_shutdown=5,
                             http=header_timeout_protocol(settings.header_timeout_s))
@@ -128,11 +129,14 @@ def serve(settings: GatewaySettings, build_app: Callable[[], FastAPI], worker_fa
     return 0
 
 
-def _run_workers(settings: GatewaySettings, sock: socket.socket, worker_factory: str) -> None:
-    """uvicorn's supervisor runs `settings.workers` processes on the one listening socket (the
-    kernel spreads connections over them); each builds its app from the environment. Their
-    Prometheus metrics are summed through a shared directory (prometheus-client's
-    multiprocess mode), so /metrics on any worker reports the whole gateway."""
+def _run_workers(settings: GatewaySettings, sock: socket.socket, worker_factory: str,
+                 listening: str, own_sockets: bool) -> None:
+    """`settings.workers` processes, each building its app from the environment: each on a
+    socket of its own in the port's SO_REUSEPORT group (gateway/workers.py: the kernel spreads
+    connections evenly), or with `own_sockets` false under uvicorn's supervisor, all sharing
+    `sock`. Their Prometheus metrics are summed through a shared directory
+    (prometheus-client's multiprocess mode), so /metrics on any worker reports the whole
+    gateway. `listening` is printed once every worker takes connections."""
     os.environ[WORKER_SETTINGS_ENV] = worker_settings_json(settings)
     with tempfile.TemporaryDirectory(prefix="microserving-gateway-metrics-") as metrics_dir:
         os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", metrics_dir)
@@ -140,7 +144,19 @@ def _run_workers(settings: GatewaySettings, sock: socket.socket, worker_factory:
                                 workers=settings.workers, log_level=settings.log_level,
                                 access_log=False, timeout_graceful_shutdown=5,
                                 http=WORKER_PROTOCOL)
-        Multiprocess(config, sockets=[sock]).run()
+        if not own_sockets:
+            print(listening, flush=True)  # the shared socket queues connections already
+            Multiprocess(config, sockets=[sock]).run()
+            return
+        workers = ReusePortWorkers(config, sock, settings.workers)
+        try:
+            workers.start()
+        except RuntimeError as error:
+            workers.stop()
+            print(f"microserving gateway: {error}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        print(listening, flush=True)
+        workers.run()
 
 
 if __name__ == "__main__":

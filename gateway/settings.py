@@ -26,6 +26,11 @@ class GatewaySettings(BaseSettings):
     workers: int = Field(default=1, ge=1, le=64,
                          description="Gateway worker processes sharing the HTTP port (each with "
                                      "its own router streams); one Python process caps at one core.")
+    reuse_port: bool = Field(
+        default=True,
+        description="With several workers: each listens on a socket of its own (SO_REUSEPORT; "
+                    "the kernel spreads connections evenly over them, Linux only) rather than all "
+                    "sharing one, where bursts of connections go to whichever worker wakes first.")
     host: str = Field(default="127.0.0.1", description="Interface the HTTP server binds.")
     port: int = Field(default=8000, ge=0, le=65535,
                       description="HTTP port; 0 picks a free one (the bound port is printed).")

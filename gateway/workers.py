@@ -1,0 +1,141 @@
+"""The gateway's worker processes, each listening on an SO_REUSEPORT socket of its own.
+
+uvicorn's supervisor (`uvicorn.supervisors.Multiprocess`) hands every worker the one listening
+socket the parent bound. The workers then race for each connection on a single accept queue,
+and the kernel wakes them unevenly: a burst of connections goes to whichever worker is
+running, which accepts all that are queued. Measured on the 2-core development VM, the
+capacity benchmark's 64 client connections to 4 workers landed 32 / 32 / 0 / 0, so half the
+workers never served a request, and each busy one did twice its share of every wave of
+requests (their parsing, validation and relay). uvicorn has no option for a socket per worker
+(encode/uvicorn PR 2472 proposes one, unmerged), so this module supervises the workers itself:
+each binds its own socket to the same address with SO_REUSEPORT, and the kernel spreads new
+connections over the listening sockets by their address hash. A worker that exits is started
+again; its socket closes with it, so no connection waits on a queue nobody accepts from.
+Linux only (elsewhere SO_REUSEPORT does not balance); the setting `reuse_port` false keeps
+uvicorn's supervisor and the shared socket.
+
+What this gives up against uvicorn's supervisor: its health pings, which replace a worker that
+hangs without exiting (a hung worker here keeps its share of new connections until it exits).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import signal
+import socket
+import sys
+import threading
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+import uvicorn
+
+_LISTEN_BACKLOG = 2048
+_READY_TIMEOUT_S = 120.0
+_STOP_GRACE_S = 10.0
+_STARTUP_FAILURE = 3  # uvicorn's exit code when the app fails to start
+
+
+def reuse_port_balances() -> bool:
+    """Whether SO_REUSEPORT spreads connections over several listening sockets here."""
+    return sys.platform == "linux" and hasattr(socket, "SO_REUSEPORT")
+
+
+def tcp_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool = True) -> socket.socket:
+    """A TCP socket bound to host:port (listening unless `listen` is false), inheritable."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    # proto=IPPROTO_TCP, not 0: asyncio turns on TCP_NODELAY only for sockets whose proto
+    # says TCP, and accepted sockets inherit it; without it Nagle holds back the first SSE
+    # chunk of a reused connection for ~40 ms.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    if listen:
+        sock.listen(_LISTEN_BACKLOG)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _worker(config: uvicorn.Config, host: str, port: int, ready: Connection) -> None:
+    """One worker process: its own socket in the port's SO_REUSEPORT group, then uvicorn."""
+    config.configure_logging()
+    sock = tcp_socket(host, port, reuse_port=True)
+    ready.send(True)  # listening: connections queue on this socket from now on
+    ready.close()
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+class ReusePortWorkers:
+    """`workers` uvicorn workers of `config`, each on a socket of its own bound to host:port
+    (which `hold`, bound but not listening, keeps while they come and go)."""
+
+    def __init__(self, config: uvicorn.Config, hold: socket.socket, workers: int) -> None:
+        self.config = config
+        self.host, self.port = hold.getsockname()[:2]
+        self.hold = hold
+        self.processes: list[BaseProcess | None] = [None] * workers
+        self._stop = threading.Event()
+        self._context = multiprocessing.get_context("spawn")
+
+    def start(self) -> None:
+        """Every worker started and listening (raises RuntimeError if one is not in time)."""
+        for index in range(len(self.processes)):
+            self._start(index)
+
+    def _start(self, index: int) -> None:
+        parent_end, child_end = self._context.Pipe(duplex=False)
+        process = self._context.Process(target=_worker, args=(self.config, self.host, self.port, child_end),
+                                        name=f"gateway-worker-{index}")
+        process.start()
+        child_end.close()
+        self.processes[index] = process
+        try:
+            if not parent_end.poll(_READY_TIMEOUT_S):
+                raise RuntimeError(f"gateway worker {index} did not listen within {_READY_TIMEOUT_S:.0f} s")
+            parent_end.recv()
+        except EOFError:
+            raise RuntimeError(f"gateway worker {index} exited before it listened "
+                               f"(code {process.exitcode})") from None
+        finally:
+            parent_end.close()
+
+    def run(self) -> None:
+        """Until SIGINT or SIGTERM: keep every worker running; then stop them all."""
+        def stop(signum: int, frame: FrameType | None) -> None:
+            self._stop.set()
+
+        previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            while not self._stop.wait(0.5):
+                for index, process in enumerate(self.processes):
+                    if process is None or process.is_alive():
+                        continue
+                    if process.exitcode == _STARTUP_FAILURE:
+                        print(f"microserving gateway: worker {index} failed to start; stopping",
+                              file=sys.stderr, flush=True)
+                        self._stop.set()
+                        break
+                    print(f"microserving gateway: worker {index} exited (code {process.exitcode}); "
+                          "starting another", file=sys.stderr, flush=True)
+                    self._start(index)
+        finally:
+            self.stop()
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def stop(self) -> None:
+        """SIGTERM to every worker (uvicorn's graceful shutdown), SIGKILL after the grace."""
+        for process in self.processes:
+            if process is not None and process.is_alive():
+                process.terminate()
+        for process in self.processes:
+            if process is None:
+                continue
+            process.join(_STOP_GRACE_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self.hold.close()
