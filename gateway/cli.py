@@ -148,15 +148,11 @@ def _run_workers(settings: GatewaySettings, sock: socket.socket, worker_factory:
             print(listening, flush=True)  # the shared socket queues connections already
             Multiprocess(config, sockets=[sock]).run()
             return
-        workers = ReusePortWorkers(config, sock, settings.workers)
         try:
-            workers.start()
+            ReusePortWorkers(config, sock, settings.workers).run(lambda: print(listening, flush=True))
         except RuntimeError as error:
-            workers.stop()
             print(f"microserving gateway: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None
-        print(listening, flush=True)
-        workers.run()
 
 
 if __name__ == "__main__":

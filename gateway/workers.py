@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Callable
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -80,11 +81,6 @@ class ReusePortWorkers:
         self._stop = threading.Event()
         self._context = multiprocessing.get_context("spawn")
 
-    def start(self) -> None:
-        """Every worker started and listening (raises RuntimeError if one is not in time)."""
-        for index in range(len(self.processes)):
-            self._start(index)
-
     def _start(self, index: int) -> None:
         parent_end, child_end = self._context.Pipe(duplex=False)
         process = self._context.Process(target=_worker, args=(self.config, self.host, self.port, child_end),
@@ -102,22 +98,24 @@ class ReusePortWorkers:
         finally:
             parent_end.close()
 
-    def run(self) -> None:
-        """Until SIGINT or SIGTERM: keep every worker running; then stop them all."""
+    def run(self, on_listening: Callable[[], None]) -> None:
+        """Start every worker and call `on_listening` once all of them listen; then, until
+        SIGINT or SIGTERM (taken from before the first start, so that none is left behind),
+        keep every worker running; then stop them all. RuntimeError: a worker did not come up."""
         def stop(signum: int, frame: FrameType | None) -> None:
             self._stop.set()
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            for index in range(len(self.processes)):
+                self._start(index)
+            on_listening()
             while not self._stop.wait(0.5):
                 for index, process in enumerate(self.processes):
                     if process is None or process.is_alive():
                         continue
-                    if process.exitcode == _STARTUP_FAILURE:
-                        print(f"microserving gateway: worker {index} failed to start; stopping",
-                              file=sys.stderr, flush=True)
-                        self._stop.set()
-                        break
+                    if process.exitcode == _STARTUP_FAILURE:  # would fail again: give up
+                        raise RuntimeError(f"worker {index} failed to start its app; stopping")
                     print(f"microserving gateway: worker {index} exited (code {process.exitcode}); "
                           "starting another", file=sys.stderr, flush=True)
                     self._start(index)
