@@ -1,4 +1,5 @@
-# Prepared 2026-12-06 (eleventh session) for what device time was left (one try): the
+# Prepared 2026-12-06 (eleventh session); not run (a refused start left too little device
+# time for another). The
 # capacity step on this tree, one round, disagg 1P:1D at 64 and 128 streams (round-robin
 # was call 2's), each stream count's cells against the engine alone run right before them.
 # Usage on the device: bash call3.sh "$OUT"
