@@ -19,12 +19,10 @@ TOY_REQUESTS, TOY_OUTPUT_LEN, TOY_STREAMS = 8, 16, (1, 4)
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.parametrize("topology", [[], ["--embed-router"], ["--client-processes", "1", "2"]],
-                         ids=["split", "serve", "two-clients"])
+@pytest.mark.parametrize("topology", [[], ["--embed-router"]], ids=["split", "serve"])
 def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str]) -> None:
     """Split: gateway and router processes; serve: the router in the gateway's process, its
-    metrics read from the gateway's /metrics; two-clients: the split stack driven by one
-    client process and by two in turn, a row each, every request and token counted once."""
+    metrics read from the gateway's /metrics."""
     done = subprocess.run(
         [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path),
          *topology],
@@ -35,11 +33,10 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
     assert "| round-robin | 4 |" in done.stdout and "| disagg | 1 |" in done.stdout
     report = json.loads((tmp_path / "capacity.json").read_text())
     assert (tmp_path / "table.md").read_text().startswith("| pattern | streams |")
-    rows = {(r["pattern"], r["streams"], r["client_processes"]): r for r in report["rows"]}
-    clients = (1, 2) if "--client-processes" in topology else (1,)
-    assert set(rows) == {(p, s, c) for p in ("round-robin", "disagg") for s in TOY_STREAMS
-                         for c in clients}
-    for (pattern, _, _), row in rows.items():
+    rows = {(r["pattern"], r["streams"]): r for r in report["rows"]}
+    assert set(rows) == {(p, s) for p in ("round-robin", "disagg") for s in TOY_STREAMS}
+    for (pattern, _), row in rows.items():
+        assert row["client_processes"] == 1
         assert row["num_errors"] == 0, row["errors"]
         assert row["num_requests_finished"] == TOY_REQUESTS
         assert row["num_tokens"] == TOY_REQUESTS * TOY_OUTPUT_LEN
@@ -105,28 +102,40 @@ def test_client_processes_share_the_load_exactly() -> None:
         (1, None, 3.0), (1, None, 3.0)]
 
 
-def test_ab_values_take_turns_on_stacks_of_their_own(tmp_path: Path) -> None:
+def test_ab_values_and_client_processes_take_turns(tmp_path: Path) -> None:
     """--ab-env: each value a row of its own, measured on a stack started with it for every
-    round (the logs show one stack per value and round), in the other order each round."""
+    round (the logs show one stack per value and round), in the other order each round; on
+    each stack, the load from one client process and from two in turn (--client-processes),
+    every request and token of the two processes counted once."""
     done = subprocess.run(
         [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--out", str(tmp_path),
          "--patterns", "round-robin", "--streams", "2", "--requests", "4", "--output-len", "8",
-         "--rounds", "2", "--ab-env", "MICROSERVING_ROUTER_SEND_AHEAD", "--ab-values", "false", "true"],
+         "--rounds", "2", "--ab-env", "MICROSERVING_ROUTER_SEND_AHEAD", "--ab-values", "false", "true",
+         "--client-processes", "1", "2"],
         cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True,
         timeout=240,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((tmp_path / "capacity.json").read_text())
-    values = [row["ab"] for row in report["rows"]]
-    assert values == [{"env": "MICROSERVING_ROUTER_SEND_AHEAD", "value": v} for v in ("false", "true")]
+    cells = [(row["ab"]["value"], row["client_processes"]) for row in report["rows"]]
+    assert cells == [("false", 1), ("true", 1), ("false", 2), ("true", 2)]
     for row in report["rows"]:
-        assert row["num_rounds"] == 2 and row["num_errors"] == 0 and row["num_tokens"] == 2 * 4 * 8  # both rounds
+        assert row["ab"]["env"] == "MICROSERVING_ROUTER_SEND_AHEAD"
+        assert row["num_rounds"] == 2 and row["num_errors"] == 0
+        assert row["num_tokens"] == 2 * 4 * 8  # both rounds
+        assert row["num_requests_finished"] == 2 * 4
+        # The gateway saw every request of the cell, whichever client process sent it.
+        assert all(cell["gateway_ttft"]["count"] == 4 for cell in row["rounds"])
+        assert row["client_cpu_ms_per_1k_tokens"] > 0
     logs = {p.name for p in (tmp_path / "logs").iterdir()}
     assert {f"round-robin-{v}-r{r}-gateway.log" for v in ("false", "true") for r in (0, 1)} <= logs
-    # Round 0 runs false first, round 1 true first.
-    order = [line.split("[")[1].split("]")[0] for line in done.stderr.splitlines() if " round " in line and "[" in line]
-    assert order == ["false", "true", "true", "false"]
-    assert "| MICROSERVING_ROUTER_SEND_AHEAD |" in (tmp_path / "table.md").read_text().splitlines()[0]
+    # Round 0: false then true, one client process then two; round 1 the other way round.
+    order = [(line.split("[")[1].split("]")[0], "2 client processes" in line)
+             for line in done.stderr.splitlines() if " round " in line and "[" in line]
+    assert order == [("false", False), ("false", True), ("true", False), ("true", True),
+                     ("true", True), ("true", False), ("false", True), ("false", False)]
+    header = (tmp_path / "table.md").read_text().splitlines()[0]
+    assert "| MICROSERVING_ROUTER_SEND_AHEAD | client processes |" in header
 
 
 def test_alone_each_round_measures_each_round_against_its_own_yardstick(tmp_path: Path) -> None:
