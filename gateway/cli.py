@@ -41,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reuse-port", action=argparse.BooleanOptionalAction, default=None,
                         help="with --workers: a listening socket per worker (SO_REUSEPORT, the "
                              "kernel spreads connections evenly; default on Linux) or one shared")
+    parser.add_argument("--worker-hang-timeout-s", type=float,
+                        help="with a socket per worker: replace a worker whose loop has not "
+                             "answered a ping for this long (default 30)")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port, 0 for any (default 8000)")
     parser.add_argument("--api-key", dest="api_keys", action="append",
@@ -149,7 +152,8 @@ def _run_workers(settings: GatewaySettings, sock: socket.socket, worker_factory:
             Multiprocess(config, sockets=[sock]).run()
             return
         try:
-            ReusePortWorkers(config, sock, settings.workers).run(lambda: print(listening, flush=True))
+            ReusePortWorkers(config, sock, settings.workers, settings.worker_hang_timeout_s).run(
+                lambda: print(listening, flush=True))
         except RuntimeError as error:
             print(f"microserving gateway: {error}", file=sys.stderr, flush=True)
             raise SystemExit(1) from None

@@ -31,6 +31,10 @@ class GatewaySettings(BaseSettings):
         description="With several workers: each listens on a socket of its own (SO_REUSEPORT; "
                     "the kernel spreads connections evenly over them, Linux only) rather than all "
                     "sharing one, where bursts of connections go to whichever worker wakes first.")
+    worker_hang_timeout_s: float = Field(
+        default=30.0, gt=0,
+        description="With several workers on sockets of their own: a worker whose serving loop "
+                    "has not answered the parent's ping for this long is replaced.")
     host: str = Field(default="127.0.0.1", description="Interface the HTTP server binds.")
     port: int = Field(default=8000, ge=0, le=65535,
                       description="HTTP port; 0 picks a free one (the bound port is printed).")

@@ -14,18 +14,23 @@ again; its socket closes with it, so no connection waits on a queue nobody accep
 Linux only (elsewhere SO_REUSEPORT does not balance); the setting `reuse_port` false keeps
 uvicorn's supervisor and the shared socket.
 
-What this gives up against uvicorn's supervisor: its health pings, which replace a worker that
-hangs without exiting (a hung worker here keeps its share of new connections until it exits).
+A worker that hangs without exiting would keep its share of new connections, so the parent
+pings each worker's serving loop itself (the answer comes from the loop, not from a thread
+beside it as in uvicorn's supervisor, so a loop blocked by Python code counts as hung too) and
+replaces one that has not answered for `hang_timeout_s`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import multiprocessing
 import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from types import FrameType
@@ -60,34 +65,86 @@ def tcp_socket(host: str, port: int, *, reuse_port: bool = False, listen: bool =
     return sock
 
 
-def _worker(config: uvicorn.Config, host: str, port: int, ready: Connection) -> None:
+class _PingedServer(uvicorn.Server):
+    """uvicorn's server, its loop answering the parent's pings on `health` once started."""
+
+    def __init__(self, config: uvicorn.Config, health: Connection) -> None:
+        super().__init__(config)
+        self.health = health
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        asyncio.get_running_loop().add_reader(self.health.fileno(), self._pong)
+
+    def _pong(self) -> None:
+        try:
+            self.health.recv_bytes()
+            self.health.send_bytes(b"1")
+        except (EOFError, OSError):  # the parent is gone: nothing to answer
+            asyncio.get_running_loop().remove_reader(self.health.fileno())
+
+
+def _worker(config: uvicorn.Config, host: str, port: int, ready: Connection,
+            health: Connection) -> None:
     """One worker process: its own socket in the port's SO_REUSEPORT group, then uvicorn."""
     config.configure_logging()
     sock = tcp_socket(host, port, reuse_port=True)
     ready.send(True)  # listening: connections queue on this socket from now on
     ready.close()
-    uvicorn.Server(config).run(sockets=[sock])
+    _PingedServer(config, health).run(sockets=[sock])
+
+
+@dataclass
+class _Health:
+    """The parent's end of one worker's health pipe: when it last answered (None: not yet,
+    the worker is still starting) and when the ping in flight went out."""
+
+    conn: Connection
+    answered_at: float | None = None
+    sent_at: float | None = None
+
+    def check(self, now: float, every_s: float, timeout_s: float) -> bool:
+        """Ping when due, take an answer; False once a started worker has not answered a ping
+        for `timeout_s`."""
+        try:
+            while self.conn.poll(0):
+                self.conn.recv_bytes()
+                self.answered_at, self.sent_at = now, None
+            if self.sent_at is None and (self.answered_at is None or now - self.answered_at >= every_s):
+                self.conn.send_bytes(b"?")
+                self.sent_at = now
+        except (EOFError, OSError):
+            return True  # the process is ending: its exit is handled as such
+        return not (self.answered_at is not None and self.sent_at is not None
+                    and now - self.sent_at > timeout_s)
 
 
 class ReusePortWorkers:
     """`workers` uvicorn workers of `config`, each on a socket of its own bound to host:port
     (which `hold`, bound but not listening, keeps while they come and go)."""
 
-    def __init__(self, config: uvicorn.Config, hold: socket.socket, workers: int) -> None:
+    def __init__(self, config: uvicorn.Config, hold: socket.socket, workers: int,
+                 hang_timeout_s: float = 30.0) -> None:
         self.config = config
         self.host, self.port = hold.getsockname()[:2]
         self.hold = hold
+        self.hang_timeout_s = hang_timeout_s
         self.processes: list[BaseProcess | None] = [None] * workers
+        self._health: list[_Health | None] = [None] * workers
         self._stop = threading.Event()
         self._context = multiprocessing.get_context("spawn")
 
     def _start(self, index: int) -> None:
         parent_end, child_end = self._context.Pipe(duplex=False)
-        process = self._context.Process(target=_worker, args=(self.config, self.host, self.port, child_end),
-                                        name=f"gateway-worker-{index}")
+        health, worker_health = self._context.Pipe()
+        process = self._context.Process(
+            target=_worker, args=(self.config, self.host, self.port, child_end, worker_health),
+            name=f"gateway-worker-{index}")
         process.start()
         child_end.close()
+        worker_health.close()
         self.processes[index] = process
+        self._health[index] = _Health(health)
         try:
             if not parent_end.poll(_READY_TIMEOUT_S):
                 raise RuntimeError(f"gateway worker {index} did not listen within {_READY_TIMEOUT_S:.0f} s")
@@ -110,10 +167,24 @@ class ReusePortWorkers:
             for index in range(len(self.processes)):
                 self._start(index)
             on_listening()
+            ping_every_s = min(5.0, self.hang_timeout_s / 2)
             while not self._stop.wait(0.5):
+                now = time.monotonic()
                 for index, process in enumerate(self.processes):
-                    if process is None or process.is_alive():
+                    health = self._health[index]
+                    if process is None or health is None:
                         continue
+                    if process.is_alive():
+                        if health.check(now, ping_every_s, self.hang_timeout_s):
+                            continue
+                        print(f"microserving gateway: worker {index} did not answer for "
+                              f"{self.hang_timeout_s:g} s; replacing it", file=sys.stderr, flush=True)
+                        process.kill()
+                        process.join()
+                        health.conn.close()
+                        self._start(index)
+                        continue
+                    health.conn.close()
                     if process.exitcode == _STARTUP_FAILURE:  # would fail again: give up
                         raise RuntimeError(f"worker {index} failed to start its app; stopping")
                     print(f"microserving gateway: worker {index} exited (code {process.exitcode}); "

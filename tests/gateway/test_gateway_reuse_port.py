@@ -6,6 +6,7 @@ holds a connection is read from /proc (the socket inodes in each worker's fds)."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import sys
@@ -121,3 +122,30 @@ def test_a_dead_worker_is_replaced_and_sigterm_stops_them_all(gateway: Service) 
     gateway.process.send_signal(signal.SIGTERM)
     assert gateway.process.wait(timeout=30) == 0
     assert _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15)
+
+
+def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
+    """A worker whose serving loop stops answering (SIGSTOP: alive, never exits) is killed and
+    replaced after --worker-hang-timeout-s; the others are left alone."""
+    service: Service = launch("gateway-hang", [
+        "gateway", "--router", NO_ROUTER, "--port", "0", "--workers", "2",
+        "--worker-hang-timeout-s", "3"], tmp_path)
+    try:
+        wait_listening([service])
+        # Started: each worker's loop has answered a ping before any can count as hung.
+        assert _until(lambda: len(_children(service.process.pid)) == 2)
+        time.sleep(2)
+        hung, other = _children(service.process.pid)
+        os.kill(hung, signal.SIGSTOP)
+        assert _until(lambda: hung not in _children(service.process.pid)
+                      and len(_children(service.process.pid)) == 2, timeout_s=60)
+        assert other in _children(service.process.pid)
+        assert re.search(r"worker \d did not answer for 3 s; replacing it", service.log())
+        sockets = [socket.create_connection(("127.0.0.1", service.port)) for _ in range(8)]
+        try:
+            assert all(_get_metrics(s).startswith(b"HTTP/1.1 200") for s in sockets)
+        finally:
+            for s in sockets:
+                s.close()
+    finally:
+        service.kill(whole_group=True)
