@@ -95,10 +95,11 @@ def _worker(config: uvicorn.Config, host: str, port: int, ready: Connection,
 
 
 @dataclass
-class _Health:
-    """The parent's end of one worker's health pipe: when it last answered (None: not yet,
-    the worker is still starting) and when the ping in flight went out."""
+class _Worker:
+    """One worker process and the parent's end of its health pipe: when it last answered
+    (None: not yet, the worker is still starting) and when the ping in flight went out."""
 
+    process: BaseProcess
     conn: Connection
     answered_at: float | None = None
     sent_at: float | None = None
@@ -129,8 +130,8 @@ class ReusePortWorkers:
         self.host, self.port = hold.getsockname()[:2]
         self.hold = hold
         self.hang_timeout_s = hang_timeout_s
-        self.processes: list[BaseProcess | None] = [None] * workers
-        self._health: list[_Health | None] = [None] * workers
+        self.num_workers = workers
+        self.workers: dict[int, _Worker] = {}  # by index, once started
         self._stop = threading.Event()
         self._context = multiprocessing.get_context("spawn")
 
@@ -143,8 +144,7 @@ class ReusePortWorkers:
         process.start()
         child_end.close()
         worker_health.close()
-        self.processes[index] = process
-        self._health[index] = _Health(health)
+        self.workers[index] = _Worker(process, health)
         try:
             if not parent_end.poll(_READY_TIMEOUT_S):
                 raise RuntimeError(f"gateway worker {index} did not listen within {_READY_TIMEOUT_S:.0f} s")
@@ -164,27 +164,25 @@ class ReusePortWorkers:
 
         previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            for index in range(len(self.processes)):
+            for index in range(self.num_workers):
                 self._start(index)
             on_listening()
             ping_every_s = min(5.0, self.hang_timeout_s / 2)
             while not self._stop.wait(0.5):
                 now = time.monotonic()
-                for index, process in enumerate(self.processes):
-                    health = self._health[index]
-                    if process is None or health is None:
-                        continue
+                for index, worker in list(self.workers.items()):
+                    process = worker.process
                     if process.is_alive():
-                        if health.check(now, ping_every_s, self.hang_timeout_s):
+                        if worker.check(now, ping_every_s, self.hang_timeout_s):
                             continue
                         print(f"microserving gateway: worker {index} did not answer for "
                               f"{self.hang_timeout_s:g} s; replacing it", file=sys.stderr, flush=True)
                         process.kill()
                         process.join()
-                        health.conn.close()
+                        worker.conn.close()
                         self._start(index)
                         continue
-                    health.conn.close()
+                    worker.conn.close()
                     if process.exitcode == _STARTUP_FAILURE:  # would fail again: give up
                         raise RuntimeError(f"worker {index} failed to start its app; stopping")
                     print(f"microserving gateway: worker {index} exited (code {process.exitcode}); "
@@ -197,12 +195,11 @@ class ReusePortWorkers:
 
     def stop(self) -> None:
         """SIGTERM to every worker (uvicorn's graceful shutdown), SIGKILL after the grace."""
-        for process in self.processes:
-            if process is not None and process.is_alive():
+        processes = [worker.process for worker in self.workers.values()]
+        for process in processes:
+            if process.is_alive():
                 process.terminate()
-        for process in self.processes:
-            if process is None:
-                continue
+        for process in processes:
             process.join(_STOP_GRACE_S)
             if process.is_alive():
                 process.kill()

@@ -5,12 +5,14 @@ holds a connection is read from /proc (the socket inodes in each worker's fds)."
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import socket
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -76,10 +78,10 @@ def _until(condition, timeout_s: float = 60.0) -> bool:  # type: ignore[no-untyp
     return False
 
 
-@pytest.fixture()
-def gateway(tmp_path: Path):  # type: ignore[no-untyped-def]
-    service: Service = launch("gateway", ["gateway", "--router", NO_ROUTER, "--port", "0",
-                                          "--workers", str(WORKERS)], tmp_path)
+@contextlib.contextmanager
+def _gateway(tmp_path: Path, workers: int, *extra: str) -> Iterator[Service]:
+    service = launch("gateway", ["gateway", "--router", NO_ROUTER, "--port", "0",
+                                 "--workers", str(workers), *extra], tmp_path)
     try:
         wait_listening([service])
         yield service
@@ -87,22 +89,35 @@ def gateway(tmp_path: Path):  # type: ignore[no-untyped-def]
         service.kill(whole_group=True)
 
 
+@pytest.fixture()
+def gateway(tmp_path: Path) -> Iterator[Service]:
+    with _gateway(tmp_path, WORKERS) as service:
+        yield service
+
+
+@contextlib.contextmanager
+def _connections(port: int, count: int) -> Iterator[list[socket.socket]]:
+    """`count` connections to the gateway, each asked for /metrics and answered 200."""
+    sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
+    try:
+        assert all(_get_metrics(s).startswith(b"HTTP/1.1 200") for s in sockets)
+        yield sockets
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def test_a_burst_of_connections_spreads_over_every_worker(gateway: Service) -> None:
     assert _until(lambda: len(_children(gateway.process.pid)) == WORKERS)
     workers = _children(gateway.process.pid)
-    sockets = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(CONNECTIONS)]
-    try:
-        # Every connection served (accepted and answered) before counting who holds it.
-        assert all(_get_metrics(s).startswith(b"HTTP/1.1 200") for s in sockets)
+    # Every connection served (accepted and answered) before counting who holds it.
+    with _connections(gateway.port, CONNECTIONS):
         inodes = _accepted_inodes(gateway.port)
         held = {pid: _held_by(pid, inodes) for pid in workers}
         assert sum(held.values()) == CONNECTIONS, held
         # By address hash: about 12 each. One shared socket gave a burst to whichever worker
         # woke first (32 / 32 / 0 / 0 in the capacity benchmark).
         assert min(held.values()) >= 1 and max(held.values()) <= CONNECTIONS // 2, held
-    finally:
-        for s in sockets:
-            s.close()
 
 
 def test_a_dead_worker_is_replaced_and_sigterm_stops_them_all(gateway: Service) -> None:
@@ -111,12 +126,8 @@ def test_a_dead_worker_is_replaced_and_sigterm_stops_them_all(gateway: Service) 
     assert _until(lambda: len(set(_children(gateway.process.pid)) - set(workers)) == 1
                   and len(_children(gateway.process.pid)) == WORKERS)
     # The new worker listens too: every connection of a burst is answered.
-    sockets = [socket.create_connection(("127.0.0.1", gateway.port)) for _ in range(16)]
-    try:
-        assert all(_get_metrics(s).startswith(b"HTTP/1.1 200") for s in sockets)
-    finally:
-        for s in sockets:
-            s.close()
+    with _connections(gateway.port, 16):
+        pass
     assert "worker 0 exited" in gateway.log()
     children = _children(gateway.process.pid)
     gateway.process.send_signal(signal.SIGTERM)
@@ -127,11 +138,7 @@ def test_a_dead_worker_is_replaced_and_sigterm_stops_them_all(gateway: Service) 
 def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
     """A worker whose serving loop stops answering (SIGSTOP: alive, never exits) is killed and
     replaced after --worker-hang-timeout-s; the others are left alone."""
-    service: Service = launch("gateway-hang", [
-        "gateway", "--router", NO_ROUTER, "--port", "0", "--workers", "2",
-        "--worker-hang-timeout-s", "3"], tmp_path)
-    try:
-        wait_listening([service])
+    with _gateway(tmp_path, 2, "--worker-hang-timeout-s", "3") as service:
         # Started: each worker's loop has answered a ping before any can count as hung.
         assert _until(lambda: len(_children(service.process.pid)) == 2)
         time.sleep(2)
@@ -141,11 +148,5 @@ def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
                       and len(_children(service.process.pid)) == 2, timeout_s=60)
         assert other in _children(service.process.pid)
         assert re.search(r"worker \d did not answer for 3 s; replacing it", service.log())
-        sockets = [socket.create_connection(("127.0.0.1", service.port)) for _ in range(8)]
-        try:
-            assert all(_get_metrics(s).startswith(b"HTTP/1.1 200") for s in sockets)
-        finally:
-            for s in sockets:
-                s.close()
-    finally:
-        service.kill(whole_group=True)
+        with _connections(service.port, 8):
+            pass
