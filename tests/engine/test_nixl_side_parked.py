@@ -81,6 +81,46 @@ def test_a_write_parked_before_the_kv_is_computed_lands_once_it_is(
     assert not p_side.is_busy
 
 
+def test_writes_whose_sends_one_step_computes_are_posted_in_one_poll_and_all_land(
+    make_engine: Callable[..., LLMEngine], pair
+) -> None:
+    """A prefill step that computes several sends' KV posts their parked writes in one poll
+    (checked together there, one window for all: nixl_core._spin_fresh); each lands in its
+    own reservation, exactly what one engine alone computes for its prompt."""
+    prefill, p_side, decode, d_side = pair
+    offer = d_side.facts()[0]
+    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
+    assert offer is not None
+    assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
+    prompts = {f"wave-{i}": random_prompt(40 + i, 70 + 9 * i) for i in range(4)}
+    expected = {rid: generate_alone(make_engine(), rid, ids, GREEDY) for rid, ids in prompts.items()}
+    ends = {}
+    for xfer_id, (rid, ids) in enumerate(prompts.items(), start=1):
+        recv = decode.prep_recv(rid, ids, -1)
+        decode.begin_kv_write(rid, time.monotonic() + 60)
+        tag = f"tag-{rid}".encode()
+        d_side.call("nixl_expect", (tag, sender, rid))
+        prefill.remote_send(rid, ids, recv.prefix_matched_length, recv.end)
+        p_side.call("nixl_write", (xfer_id, offer, HeldSlots(rid, 0), segment_slots(recv.kv_segments),
+                                   tag, time.monotonic() + 60))
+        ends[rid] = recv.end
+    assert p_side.poll() == []  # all four parked: nothing computed yet
+    ready: set[str] = set()
+    while len(ready) < len(prompts):
+        ready |= {e.request_id for e in prefill.step() if isinstance(e, SendReady)}
+    assert ready == set(prompts)
+    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2 * len(prompts))
+    assert sorted(events) == sorted(
+        [("notif", sender, f"tag-{rid}".encode(), "") for rid in prompts]
+        + [("write", xfer_id, "DONE", "") for xfer_id in range(1, len(prompts) + 1)])
+    for rid, ids in prompts.items():
+        prefill.finish_remote_send(rid)
+        decode.start_generate(rid, ids, ends[rid], GREEDY)
+    outputs = decode.run_until_done()
+    assert {rid: tokens_of(outputs[rid]) for rid in prompts} == expected
+    assert not p_side.is_busy
+
+
 @pytest.mark.parametrize("ending", ["send aborted", "deadline passed", "cancelled"])
 def test_a_parked_write_that_cannot_start_posts_nothing(pair, ending: str) -> None:
     prefill, p_side, decode, d_side = pair

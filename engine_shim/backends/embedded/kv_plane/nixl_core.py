@@ -40,10 +40,13 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A write just started is checked in a tight loop before the loop's next turn (0.5 ms away
-# when idle, a whole step away when busy) for this long plus its bytes at _SPIN_BYTES_PER_S:
-# a copy on one host usually ends within it, and the receiver's notification goes out only
-# from a check of this side's agent once the copy has ended.
+# The writes posted in one loop turn are checked together in a tight loop before the loop's
+# next turn (0.5 ms away when idle, a whole step away when busy) for this long plus their
+# bytes at _SPIN_BYTES_PER_S: a copy on one host usually ends within it, and the receiver's
+# notification goes out only from a check of this side's agent once the copy has ended. One
+# window a turn, not one a write: a prefill step that computes 32 sends' KV posts 32 writes in
+# one turn, and a window each (run 23, H100: the copies waited on the decoding engine's work on
+# the same GPU, so every window ran out) held the last write back by 32 windows.
 _WRITE_SPIN_S = 0.0002
 _SPIN_BYTES_PER_S = 200e9
 
@@ -139,6 +142,7 @@ class NixlSide:
         self._writes: dict[int, _Posted] = {}  # by xfer id
         self._parked: dict[int, _Parked] = {}  # by xfer id: waiting for the send
         self._ended: list[Any] = []  # writes that failed to start, reported at the next poll
+        self._fresh: list[_Posted] = []  # posted since the last poll: checked together there
 
     @property
     def is_busy(self) -> bool:
@@ -179,6 +183,8 @@ class NixlSide:
                 return True
             posted = self._writes.pop(args[0], None)
             if posted is not None:
+                if posted in self._fresh:  # released below: never checked again
+                    self._fresh.remove(posted)
                 try:
                     state = agent.state(posted.handle)
                 except Exception:  # noqa: BLE001 - NIXL's own error types; released below anyway
@@ -230,11 +236,23 @@ class NixlSide:
         except EngineError as error:  # UnavailableError included
             self._ended.append(("write", xfer_id, "ERR", str(error)))
             return
-        spin_ends = time.perf_counter() + _WRITE_SPIN_S + num_bytes / _SPIN_BYTES_PER_S
-        while state == "PROC" and time.perf_counter() < spin_ends:
-            state = agent.state(handle)
-        # poll() reports it, ended or not
-        self._writes[xfer_id] = _Posted(handle, offer.agent, num_bytes, time.monotonic())
+        posted = _Posted(handle, offer.agent, num_bytes, time.monotonic())
+        self._writes[xfer_id] = posted  # poll() reports it, ended or not
+        if state == "PROC":
+            self._fresh.append(posted)
+
+    def _spin_fresh(self) -> None:
+        """Check the writes posted since the last poll in a tight loop until they have all
+        ended or one window (_WRITE_SPIN_S plus their bytes at _SPIN_BYTES_PER_S) has passed;
+        each check progresses the agent, which sends a finished copy's notification."""
+        agent = self._agent
+        fresh, self._fresh = self._fresh, []
+        if agent is None or not fresh:
+            return
+        spin_ends = time.perf_counter() + _WRITE_SPIN_S + \
+            sum(posted.num_bytes for posted in fresh) / _SPIN_BYTES_PER_S
+        while fresh and time.perf_counter() < spin_ends:
+            fresh = [posted for posted in fresh if _is_running(agent, posted)]
 
     def _held_slots(self, ref: HeldSlots) -> np.ndarray:
         # send_slots waits for the engine's pending KV writes (CUDA) before the read
@@ -246,6 +264,7 @@ class NixlSide:
         assert agent is not None  # busy only once a call reached the agent
         if self._parked:
             self._post_parked()
+        self._spin_fresh()
         events, self._ended = self._ended, []
         if self._early:
             events += self._match_early()
@@ -322,11 +341,21 @@ class NixlSide:
         return ("notif", sender, tag, "")
 
     def close(self) -> None:
+        self._fresh.clear()
         if self._agent is not None:
             for posted in self._writes.values():
                 self._agent.release(posted.handle)
             self._writes.clear()
             self._agent.close()
+
+
+def _is_running(agent: NixlAgent, posted: _Posted) -> bool:
+    """Whether a posted write still runs; one that fails to answer counts as ended (poll()
+    asks again and reports it)."""
+    try:
+        return agent.state(posted.handle) == "PROC"
+    except Exception:  # noqa: BLE001 - NIXL raises its own error types
+        return False
 
 
 def nixl_side(core: LLMEngine, loopback: bool) -> NixlSide:
