@@ -39,8 +39,12 @@ class BlockManager:
     def __init__(self, num_pages: int, page_size: int, enable_prefix_cache: bool) -> None:
         self.num_total_pages = num_pages
         self.page_size = page_size
-        self._free: list[int] = list(range(num_pages))  # a min-heap: low ids first, so
-        heapq.heapify(self._free)  # fresh allocations tend to be contiguous slot runs
+        # Unused pages: a min-heap (low ids first, so fresh allocations tend to be contiguous
+        # slot runs) whose entries count only while in the set (a page taken out of order,
+        # as a run's next page, leaves a stale entry that its pop skips).
+        self._free: list[int] = list(range(num_pages))
+        heapq.heapify(self._free)
+        self._free_set: set[int] = set(self._free)
         self._ref_counts = [0] * num_pages
         self._cache = PrefixCache() if enable_prefix_cache else None
 
@@ -49,7 +53,7 @@ class BlockManager:
     def num_free_pages(self) -> int:
         """Pages an allocation can get now: never used plus evictable cached pages."""
         evictable = self._cache.num_evictable_pages if self._cache else 0
-        return len(self._free) + evictable
+        return len(self._free_set) + evictable
 
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_free_pages
@@ -57,20 +61,45 @@ class BlockManager:
     def allocate(self, num_pages: int) -> list[int]:
         if not self.can_allocate(num_pages):
             raise RuntimeError("allocate() beyond num_free_pages; call can_allocate first")
-        pages = [self._take_one() for _ in range(num_pages)]
+        pages: list[int] = []
+        while len(pages) < num_pages:
+            page = self._take_one()
+            pages.append(page)
+            # The run goes on through the next pages while they are unused or evictable, even
+            # out of LRU order: once a long-running pool has recycled its pages, strict LRU
+            # handed a prompt's pages out one from here, one from there (the pages decode
+            # steps had added to many requests at once, interleaved), and a KV transfer of
+            # the prompt moves one piece per run and KV plane (a NIXL write of 255 tokens:
+            # 32 descriptors on a fresh pool, up to 512 on a recycled one).
+            page += 1
+            while len(pages) < num_pages and page < self.num_total_pages and self._take_if_idle(page):
+                pages.append(page)
+                page += 1
         for page in pages:
             self._ref_counts[page] = 1
         return pages
 
     def _take_one(self) -> int:
-        if self._free:
-            return heapq.heappop(self._free)
+        while self._free:
+            page = heapq.heappop(self._free)
+            if page in self._free_set:
+                self._free_set.remove(page)
+                return page
         if self._cache is None:
             raise RuntimeError("no free page")
         page = self._cache.evict_lru()
         if page is None:
             raise RuntimeError("no free page")
         return page
+
+    def _take_if_idle(self, page: int) -> bool:
+        """Take `page` if nothing references it (unused, or cached and evictable)."""
+        if self._ref_counts[page]:
+            return False
+        if page in self._free_set:
+            self._free_set.remove(page)  # its heap entry goes stale
+            return True
+        return self._cache is not None and self._cache.evict(page)
 
     # ---- sharing ----
     def acquire_prefix(self, token_ids: Sequence[int], max_tokens: int, salt: str = "") -> list[int]:
@@ -135,6 +164,7 @@ class BlockManager:
             self._cache.mark_evictable(page)
         else:
             heapq.heappush(self._free, page)
+            self._free_set.add(page)
 
     def prefix_cache_stats(self) -> PrefixCacheStats:
         if self._cache is None:

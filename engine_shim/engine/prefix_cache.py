@@ -71,6 +71,15 @@ class PrefixCache:
         del self._page_by_hash[self._hash_by_page.pop(page)]
         return page
 
+    def evict(self, page: int) -> bool:
+        """Forget `page` if it is evictable (out of LRU order: a run's next page); whether
+        it was."""
+        if page not in self._evictable:
+            return False
+        del self._evictable[page]
+        del self._page_by_hash[self._hash_by_page.pop(page)]
+        return True
+
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_queries += 1
         self.num_query_tokens += num_query_tokens

@@ -102,6 +102,41 @@ def test_when_no_page_is_unused_the_least_recently_released_cached_page_is_evict
     assert not pool.can_allocate(1)  # one page in use, the other referenced again
 
 
+def _recycled_pool() -> tuple[BlockManager, list[int], list[int]]:
+    """Two sequences' prompt pages, then their decode pages added a step at a time to both
+    (interleaved), both released into the cache; every never-used page then taken."""
+    pool = BlockManager(num_pages=12, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tables = [pool.allocate(2), pool.allocate(2)]  # [0, 1], [2, 3]
+    for _ in range(2):
+        for table in tables:
+            table += pool.allocate(1)  # 4, 5, then 6, 7
+    assert tables == [[0, 1, 4, 6], [2, 3, 5, 7]]
+    for seed, table in enumerate(tables):
+        pool.release(table, [seed] * 4 * PAGE_SIZE, num_computed_tokens=4 * PAGE_SIZE)
+    filler = pool.allocate(4)
+    assert filler == [8, 9, 10, 11]
+    return pool, tables[0], tables[1]
+
+
+def test_a_recycled_pool_gives_a_prompt_one_run_of_pages_not_the_lru_scatter() -> None:
+    """Strict LRU would hand out the first-released sequence's pages [0, 1, 4, 6]: three
+    runs, where a KV transfer moves one piece per run. The run from the LRU page goes on
+    through the next idle pages instead."""
+    pool, _, _ = _recycled_pool()
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    assert pool.allocate(2) == [4, 5]  # and on from the next LRU page
+    assert pool.prefix_cache_stats().num_evictable_pages == 2
+
+
+def test_a_run_never_takes_a_referenced_page() -> None:
+    pool, _, second = _recycled_pool()
+    tokens = [1] * 4 * PAGE_SIZE
+    assert pool.acquire_prefix(tokens, max_tokens=4 * PAGE_SIZE) == second  # in use again
+    pages = pool.allocate(4)
+    assert pages == [0, 1, 4, 6] and not set(pages) & set(second)
+    assert [pool.ref_count(p) for p in second] == [1, 1, 1, 1]
+
+
 def test_prefix_queries_are_counted_for_the_hit_rate() -> None:
     pool = BlockManager(num_pages=4, page_size=PAGE_SIZE, enable_prefix_cache=True)
     pool.record_prefix_query(num_query_tokens=10, num_hit_tokens=8)
