@@ -87,10 +87,10 @@ class BlockManager:
                 return page
         if self._cache is None:
             raise RuntimeError("no free page")
-        page = self._cache.evict_lru()
-        if page is None:
+        evicted = self._cache.evict_lru()
+        if evicted is None:
             raise RuntimeError("no free page")
-        return page
+        return evicted
 
     def _take_if_idle(self, page: int) -> bool:
         """Take `page` if nothing references it (unused, or cached and evictable)."""
