@@ -409,8 +409,8 @@ class EmbeddedBackend:
             hold_timeout_s=self._settings.kv_push_timeout_s, times=times,
         )
         logger.info(
-            "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms (%s), path=nixl",
-            request_id, num_tokens, num_bytes, addr.address,
+            "RemoteSend %s: %d tokens, %d bytes to %s (%d runs of slots) in %.1f ms (%s), path=nixl",
+            request_id, num_tokens, num_bytes, addr.address, addr.kv_segments[0] if addr.kv_segments else 0,
             (time.perf_counter() - started) * 1e3, times,
         )
         return SendResult(num_tokens, num_bytes, 0)
