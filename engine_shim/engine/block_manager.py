@@ -62,17 +62,20 @@ class BlockManager:
         if not self.can_allocate(num_pages):
             raise RuntimeError("allocate() beyond num_free_pages; call can_allocate first")
         pages: list[int] = []
+        # The run goes on through the next pages while they are unused, or evictable and
+        # released in the older half of the evictable pages' releases, even out of LRU order:
+        # once a long-running pool has recycled its pages, strict LRU handed a prompt's pages
+        # out one from here, one from there (the pages decode steps had added to many
+        # requests at once, interleaved), and a KV transfer of the prompt moves one piece per
+        # run and KV plane (a NIXL write of 255 tokens: 32 descriptors on a fresh pool, up
+        # to 512 on a recycled one). Pages released lately stay for their prefix hits.
+        released_by = self._cache.older_half() if self._cache is not None else 0
         while len(pages) < num_pages:
             page = self._take_one()
             pages.append(page)
-            # The run goes on through the next pages while they are unused or evictable, even
-            # out of LRU order: once a long-running pool has recycled its pages, strict LRU
-            # handed a prompt's pages out one from here, one from there (the pages decode
-            # steps had added to many requests at once, interleaved), and a KV transfer of
-            # the prompt moves one piece per run and KV plane (a NIXL write of 255 tokens:
-            # 32 descriptors on a fresh pool, up to 512 on a recycled one).
             page += 1
-            while len(pages) < num_pages and page < self.num_total_pages and self._take_if_idle(page):
+            while len(pages) < num_pages and page < self.num_total_pages and \
+                    self._take_if_idle(page, released_by):
                 pages.append(page)
                 page += 1
         for page in pages:
@@ -92,14 +95,15 @@ class BlockManager:
             raise RuntimeError("no free page")
         return evicted
 
-    def _take_if_idle(self, page: int) -> bool:
-        """Take `page` if nothing references it (unused, or cached and evictable)."""
+    def _take_if_idle(self, page: int, released_by: int) -> bool:
+        """Take `page` if nothing references it: unused, or cached, evictable and released at
+        or before `released_by` (PrefixCache.evict)."""
         if self._ref_counts[page]:
             return False
         if page in self._free_set:
             self._free_set.remove(page)  # its heap entry goes stale
             return True
-        return self._cache is not None and self._cache.evict(page)
+        return self._cache is not None and self._cache.evict(page, released_by)
 
     # ---- sharing ----
     def acquire_prefix(self, token_ids: Sequence[int], max_tokens: int, salt: str = "") -> list[int]:

@@ -29,7 +29,9 @@ class PrefixCache:
     def __init__(self) -> None:
         self._page_by_hash: dict[bytes, int] = {}
         self._hash_by_page: dict[int, bytes] = {}
-        self._evictable: OrderedDict[int, None] = OrderedDict()  # LRU first
+        # Evictable pages, LRU first, each with the count of releases when it was released.
+        self._evictable: OrderedDict[int, int] = OrderedDict()
+        self._num_releases = 0
         self.num_queries = 0
         self.num_query_tokens = 0
         self.num_hit_tokens = 0
@@ -57,7 +59,8 @@ class PrefixCache:
         return True
 
     def mark_evictable(self, page: int) -> None:
-        self._evictable[page] = None
+        self._num_releases += 1
+        self._evictable[page] = self._num_releases
         self._evictable.move_to_end(page)
 
     def mark_in_use(self, page: int) -> None:
@@ -71,10 +74,19 @@ class PrefixCache:
         del self._page_by_hash[self._hash_by_page.pop(page)]
         return page
 
-    def evict(self, page: int) -> bool:
-        """Forget `page` if it is evictable (out of LRU order: a run's next page); whether
-        it was."""
-        if page not in self._evictable:
+    def older_half(self) -> int:
+        """The release count that splits the evictable pages' releases in two: those at or
+        below it are the older half, the pages evict() may take out of LRU order."""
+        if not self._evictable:
+            return 0
+        oldest = next(iter(self._evictable.values()))
+        return oldest + (self._num_releases - oldest) // 2
+
+    def evict(self, page: int, released_by: int) -> bool:
+        """Forget `page` if it is evictable and was released at or before `released_by` (out
+        of LRU order: a run's next page; a page released lately, say a shared prefix's, is
+        left for its next hit); whether it was."""
+        if self._evictable.get(page, released_by + 1) > released_by:
             return False
         del self._evictable[page]
         del self._page_by_hash[self._hash_by_page.pop(page)]

@@ -102,39 +102,48 @@ def test_when_no_page_is_unused_the_least_recently_released_cached_page_is_evict
     assert not pool.can_allocate(1)  # one page in use, the other referenced again
 
 
-def _recycled_pool() -> tuple[BlockManager, list[int], list[int]]:
-    """Two sequences' prompt pages, then their decode pages added a step at a time to both
-    (interleaved), both released into the cache; every never-used page then taken."""
-    pool = BlockManager(num_pages=12, page_size=PAGE_SIZE, enable_prefix_cache=True)
-    tables = [pool.allocate(2), pool.allocate(2)]  # [0, 1], [2, 3]
+def _recycled_pool() -> tuple[BlockManager, list[list[int]]]:
+    """Three sequences' prompt pages, then their decode pages added a step at a time to all
+    (interleaved), released into the cache one sequence after another; every never-used
+    page then taken."""
+    pool = BlockManager(num_pages=16, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tables = [pool.allocate(2) for _ in range(3)]  # [0, 1], [2, 3], [4, 5]
     for _ in range(2):
         for table in tables:
-            table += pool.allocate(1)  # 4, 5, then 6, 7
-    assert tables == [[0, 1, 4, 6], [2, 3, 5, 7]]
+            table += pool.allocate(1)  # 6, 7, 8, then 9, 10, 11
+    assert tables == [[0, 1, 6, 9], [2, 3, 7, 10], [4, 5, 8, 11]]
     for seed, table in enumerate(tables):
-        pool.release(table, [seed] * 4 * PAGE_SIZE, num_computed_tokens=4 * PAGE_SIZE)
-    filler = pool.allocate(4)
-    assert filler == [8, 9, 10, 11]
-    return pool, tables[0], tables[1]
+        pool.release(table, _tokens(seed), num_computed_tokens=4 * PAGE_SIZE)
+    assert pool.allocate(4) == [12, 13, 14, 15]
+    return pool, tables
+
+
+def _tokens(seed: int) -> list[int]:
+    return [seed] * 4 * PAGE_SIZE
 
 
 def test_a_recycled_pool_gives_a_prompt_one_run_of_pages_not_the_lru_scatter() -> None:
-    """Strict LRU would hand out the first-released sequence's pages [0, 1, 4, 6]: three
+    """Strict LRU would hand out the first-released sequence's pages [0, 1, 6, 9]: three
     runs, where a KV transfer moves one piece per run. The run from the LRU page goes on
-    through the next idle pages instead."""
-    pool, _, _ = _recycled_pool()
+    through the next idle pages released in the older half of the releases instead."""
+    pool, _ = _recycled_pool()
     assert pool.allocate(4) == [0, 1, 2, 3]
-    assert pool.allocate(2) == [4, 5]  # and on from the next LRU page
-    assert pool.prefix_cache_stats().num_evictable_pages == 2
+    assert pool.prefix_cache_stats().num_evictable_pages == 8
+
+
+def test_a_run_leaves_pages_released_lately_for_their_prefix_hits() -> None:
+    """The last-released sequence's pages (the newer half) are not taken out of LRU order:
+    the run from the LRU page stops before them and the next run starts at the next LRU page."""
+    pool, tables = _recycled_pool()
+    assert pool.allocate(6) == [0, 1, 2, 3, 6, 9]
+    assert pool.acquire_prefix(_tokens(2), max_tokens=4 * PAGE_SIZE) == tables[2]
 
 
 def test_a_run_never_takes_a_referenced_page() -> None:
-    pool, _, second = _recycled_pool()
-    tokens = [1] * 4 * PAGE_SIZE
-    assert pool.acquire_prefix(tokens, max_tokens=4 * PAGE_SIZE) == second  # in use again
-    pages = pool.allocate(4)
-    assert pages == [0, 1, 4, 6] and not set(pages) & set(second)
-    assert [pool.ref_count(p) for p in second] == [1, 1, 1, 1]
+    pool, tables = _recycled_pool()
+    assert pool.acquire_prefix(_tokens(1), max_tokens=4 * PAGE_SIZE) == tables[1]  # in use again
+    assert pool.allocate(4) == [0, 1, 6, 9]
+    assert [pool.ref_count(p) for p in tables[1]] == [1, 1, 1, 1]
 
 
 def test_prefix_queries_are_counted_for_the_hit_rate() -> None:
