@@ -62,14 +62,14 @@ class BlockManager:
         if not self.can_allocate(num_pages):
             raise RuntimeError("allocate() beyond num_free_pages; call can_allocate first")
         pages: list[int] = []
-        # The run goes on through the next pages while they are unused, or evictable and
-        # released in the older half of the evictable pages' releases, even out of LRU order:
+        # The run goes on through the next pages while they are unused, or evictable and not
+        # among the newest eighth of the evictable pages' releases, even out of LRU order:
         # once a long-running pool has recycled its pages, strict LRU handed a prompt's pages
         # out one from here, one from there (the pages decode steps had added to many
         # requests at once, interleaved), and a KV transfer of the prompt moves one piece per
         # run and KV plane (a NIXL write of 255 tokens: 32 descriptors on a fresh pool, up
         # to 512 on a recycled one). Pages released lately stay for their prefix hits.
-        released_by = self._cache.older_half() if self._cache is not None else 0
+        released_by = self._cache.out_of_order_bound() if self._cache is not None else 0
         while len(pages) < num_pages:
             page = self._take_one()
             pages.append(page)

@@ -74,13 +74,13 @@ class PrefixCache:
         del self._page_by_hash[self._hash_by_page.pop(page)]
         return page
 
-    def older_half(self) -> int:
-        """The release count that splits the evictable pages' releases in two: those at or
-        below it are the older half, the pages evict() may take out of LRU order."""
+    def out_of_order_bound(self) -> int:
+        """The release count at or below which evict() may take an evictable page out of LRU
+        order: all but the newest eighth of the evictable pages' releases."""
         if not self._evictable:
             return 0
         oldest = next(iter(self._evictable.values()))
-        return oldest + (self._num_releases - oldest) // 2
+        return oldest + (self._num_releases - oldest) * 7 // 8
 
     def evict(self, page: int, released_by: int) -> bool:
         """Forget `page` if it is evictable and was released at or before `released_by` (out

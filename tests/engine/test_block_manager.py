@@ -125,18 +125,22 @@ def _tokens(seed: int) -> list[int]:
 def test_a_recycled_pool_gives_a_prompt_one_run_of_pages_not_the_lru_scatter() -> None:
     """Strict LRU would hand out the first-released sequence's pages [0, 1, 6, 9]: three
     runs, where a KV transfer moves one piece per run. The run from the LRU page goes on
-    through the next idle pages released in the older half of the releases instead."""
+    through the next idle pages instead."""
     pool, _ = _recycled_pool()
     assert pool.allocate(4) == [0, 1, 2, 3]
     assert pool.prefix_cache_stats().num_evictable_pages == 8
 
 
 def test_a_run_leaves_pages_released_lately_for_their_prefix_hits() -> None:
-    """The last-released sequence's pages (the newer half) are not taken out of LRU order:
-    the run from the LRU page stops before them and the next run starts at the next LRU page."""
-    pool, tables = _recycled_pool()
-    assert pool.allocate(6) == [0, 1, 2, 3, 6, 9]
-    assert pool.acquire_prefix(_tokens(2), max_tokens=4 * PAGE_SIZE) == tables[2]
+    """Eight one-page sequences, page 3's released last (the newest eighth of the releases):
+    the run from the LRU page stops before it, the next run starts at the next LRU page, and
+    page 3 stays cached for its prefix's next hit."""
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    pages = pool.allocate(8)
+    for page in [0, 1, 2, 4, 5, 6, 7, 3]:
+        pool.release([pages[page]], _tokens(page)[:PAGE_SIZE], num_computed_tokens=PAGE_SIZE)
+    assert pool.allocate(7) == [0, 1, 2, 4, 5, 6, 7]
+    assert pool.acquire_prefix(_tokens(3)[:PAGE_SIZE], max_tokens=PAGE_SIZE) == [3]
 
 
 def test_a_run_never_takes_a_referenced_page() -> None:
