@@ -102,6 +102,9 @@ class BlockManager:
             return False
         if page in self._free_set:
             self._free_set.remove(page)  # its heap entry goes stale
+            if len(self._free) > 2 * len(self._free_set) + 64:  # stale entries never popped
+                self._free = list(self._free_set)
+                heapq.heapify(self._free)
             return True
         return self._cache is not None and self._cache.evict(page, released_by)
 
