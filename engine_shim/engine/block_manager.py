@@ -58,7 +58,9 @@ class BlockManager:
     def can_allocate(self, num_pages: int) -> bool:
         return num_pages <= self.num_free_pages
 
-    def allocate(self, num_pages: int) -> list[int]:
+    def allocate(self, num_pages: int, after: int | None = None) -> list[int]:
+        """`num_pages` pages, in runs (below); `after`: the last page of the table they
+        extend, whose run goes on first where the pages after it are idle."""
         if not self.can_allocate(num_pages):
             raise RuntimeError("allocate() beyond num_free_pages; call can_allocate first")
         pages: list[int] = []
@@ -70,6 +72,11 @@ class BlockManager:
         # run and KV plane (a NIXL write of 255 tokens: 32 descriptors on a fresh pool, up
         # to 512 on a recycled one). Pages released lately stay for their prefix hits.
         released_by = self._cache.out_of_order_bound() if self._cache is not None else 0
+        page = -1 if after is None else after + 1
+        while 0 <= page < self.num_total_pages and len(pages) < num_pages and \
+                self._take_if_idle(page, released_by):
+            pages.append(page)
+            page += 1
         while len(pages) < num_pages:
             page = self._take_one()
             pages.append(page)

@@ -138,7 +138,7 @@ class Disaggregation:
         if not self.block_manager.can_allocate(missing):
             self.block_manager.release(pages)
             raise ResourceExhaustedError(f"not enough free KV pages to receive {end - matched} tokens")
-        pages += self.block_manager.allocate(missing)
+        pages += self.block_manager.allocate(missing, pages[-1] if pages else None)
         self.block_manager.record_prefix_query(end, matched)
         self.reservations[request_id] = Reservation(
             request_id=request_id,

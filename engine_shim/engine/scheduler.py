@@ -197,7 +197,8 @@ class Scheduler:
             return True
         if not self.block_manager.can_allocate(missing):
             return False
-        seq.block_table.extend(self.block_manager.allocate(missing))
+        seq.block_table.extend(self.block_manager.allocate(
+            missing, seq.block_table[-1] if seq.block_table else None))
         return True
 
     def _fits_the_pool(self, seq: Sequence, num_tokens: int) -> bool:

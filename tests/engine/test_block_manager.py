@@ -184,3 +184,12 @@ def test_pages_taken_into_runs_leave_the_free_heap_no_bigger_than_it_must_be() -
     assert pool.num_free_pages == 64
     assert len(pool._free) <= 2 * 64 + 64  # noqa: SLF001 - the heap's size is the point
     assert pool.allocate(64) == list(range(64))
+
+
+def test_a_growing_table_continues_its_run_where_the_next_page_is_idle() -> None:
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=False)
+    first, second, third = pool.allocate(2), pool.allocate(2), pool.allocate(2)
+    pool.release(second)  # free: 2, 3, 6, 7
+    assert pool.allocate(1, after=third[-1]) == [6]  # not the lowest free page, 2
+    assert pool.allocate(2, after=first[-1]) == [2, 3]  # 2 is idle: first's run goes on
+    assert pool.allocate(1, after=7) == [7]  # the pool's last page: from the lowest free
