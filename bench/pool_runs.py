@@ -69,14 +69,19 @@ def main() -> None:
                                            args.prompt_len, args.output_len)
     fresh = runs[:recycled_from] if recycled_from >= 0 else runs
     recycled = runs[recycled_from:] if recycled_from >= 0 else []
+    def figures(runs: list[int]) -> dict[str, float | int | None]:
+        if not runs:
+            return {"reservations": 0}
+        ordered = sorted(runs)
+        return {"reservations": len(runs), "median_runs": statistics.median(runs),
+                "mean_runs": round(statistics.fmean(runs), 2),
+                "p90_runs": ordered[int(0.9 * (len(ordered) - 1))], "max_runs": ordered[-1]}
+
     report = {
         "streams": args.streams, "requests": len(runs), "num_pages": args.num_pages,
         "pages_a_reservation": -(-args.prompt_len // 16),
-        "fresh": {"reservations": len(fresh), "median_runs": statistics.median(fresh) if fresh else None,
-                  "max_runs": max(fresh, default=None)},
-        "recycled": {"reservations": len(recycled),
-                     "median_runs": statistics.median(recycled) if recycled else None,
-                     "max_runs": max(recycled, default=None)},
+        "fresh": figures(fresh),
+        "recycled": figures(recycled),
     }
     print(json.dumps(report, indent=1))
 

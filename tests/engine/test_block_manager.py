@@ -193,3 +193,14 @@ def test_a_growing_table_continues_its_run_where_the_next_page_is_idle() -> None
     assert pool.allocate(1, after=third[-1]) == [6]  # not the lowest free page, 2
     assert pool.allocate(2, after=first[-1]) == [2, 3]  # 2 is idle: first's run goes on
     assert pool.allocate(1, after=7) == [7]  # the pool's last page: from the lowest free
+
+
+def test_while_unused_pages_serve_an_allocation_no_cached_page_is_taken_for_a_run() -> None:
+    """Unused pages enough for the allocation: a cached page right after the run stays cached
+    (its prefix keeps its hits), and the run ends there."""
+    pool = BlockManager(num_pages=16, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    first, second = pool.allocate(1), pool.allocate(1)  # [0], [1]
+    pool.release(first)  # not computed: unused again
+    pool.release(second, _tokens(5)[:PAGE_SIZE], num_computed_tokens=PAGE_SIZE)  # cached
+    assert pool.allocate(2) == [0, 2]
+    assert pool.acquire_prefix(_tokens(5)[:PAGE_SIZE], max_tokens=PAGE_SIZE) == [1]
