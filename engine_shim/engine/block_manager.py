@@ -71,10 +71,12 @@ class BlockManager:
         # requests at once, interleaved), and a KV transfer of the prompt moves one piece per
         # run and KV plane (a NIXL write of 255 tokens: 32 descriptors on a fresh pool, up
         # to 512 on a recycled one). Pages released lately stay for their prefix hits.
-        # Cached pages are taken out of LRU order only where unused pages cannot serve the
-        # allocation: one that the unused pages serve keeps every cached page for its hits.
-        released_by = self._cache.out_of_order_bound() \
-            if self._cache is not None and len(self._free_set) < num_pages else -1
+        # Cached pages are taken out of LRU order only once unused pages are scarce (fewer
+        # than the allocation needs, or than a sixteenth of the pool: a recycled pool's
+        # unused pages are the partial last pages of finished requests, scattered); while
+        # the pool has plenty, every cached page stays for its hits.
+        scarce = len(self._free_set) < max(num_pages, self.num_total_pages // 16)
+        released_by = self._cache.out_of_order_bound() if self._cache is not None and scarce else -1
         page = -1 if after is None else after + 1
         while 0 <= page < self.num_total_pages and len(pages) < num_pages and \
                 self._take_if_idle(page, released_by):
