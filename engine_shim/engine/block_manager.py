@@ -64,17 +64,16 @@ class BlockManager:
         if not self.can_allocate(num_pages):
             raise RuntimeError("allocate() beyond num_free_pages; call can_allocate first")
         pages: list[int] = []
-        # The run goes on through the next pages while they are unused, or evictable and not
-        # among the newest eighth of the evictable pages' releases, even out of LRU order:
+        # A run goes on through the next pages while they are idle, even out of LRU order:
         # once a long-running pool has recycled its pages, strict LRU handed a prompt's pages
-        # out one from here, one from there (the pages decode steps had added to many
-        # requests at once, interleaved), and a KV transfer of the prompt moves one piece per
-        # run and KV plane (a NIXL write of 255 tokens: 32 descriptors on a fresh pool, up
-        # to 512 on a recycled one). Pages released lately stay for their prefix hits.
-        # Cached pages are taken out of LRU order only once unused pages are scarce (fewer
-        # than the allocation needs, or than a sixteenth of the pool: a recycled pool's
-        # unused pages are the partial last pages of finished requests, scattered); while
-        # the pool has plenty, every cached page stays for its hits.
+        # out one from here, one from there (decode steps add pages to many requests at once,
+        # interleaved), and a KV transfer of the prompt moves one piece per run and KV plane
+        # (a NIXL write of 255 tokens: 32 descriptors on a fresh pool, up to 512 on a
+        # recycled one). Idle: unused; or cached and evictable, but only once unused pages
+        # are scarce (fewer than the allocation needs, or than a sixteenth of the pool: a
+        # recycled pool's unused pages are the scattered partial last pages of finished
+        # requests) and never among the newest eighth of the releases, so that a pool with
+        # room, and a prefix released lately, keep their hits.
         scarce = len(self._free_set) < max(num_pages, self.num_total_pages // 16)
         released_by = self._cache.out_of_order_bound() if self._cache is not None and scarce else -1
         page = -1 if after is None else after + 1
