@@ -50,11 +50,20 @@ def reservation_runs(streams: int, num_requests: int, num_pages: int, prompt_len
         start()
     while started < num_requests:
         for event in engine.step():
-            finished = (event[2] is not None if isinstance(event, tuple)
-                        else isinstance(event, GenerateOutput) and event.is_finished)
-            if finished and started < num_requests:
+            # Outputs come as GenerateOutput (the engine packs none: packs_outputs is off).
+            if isinstance(event, GenerateOutput) and event.is_finished and started < num_requests:
                 start()
     return runs, recycled_from
+
+
+def figures(runs: list[int]) -> dict[str, float | int]:
+    """Reservations and their runs: median, mean, p90 and max."""
+    if not runs:
+        return {"reservations": 0}
+    ordered = sorted(runs)
+    return {"reservations": len(runs), "median_runs": statistics.median(runs),
+            "mean_runs": round(statistics.fmean(runs), 2),
+            "p90_runs": ordered[int(0.9 * (len(ordered) - 1))], "max_runs": ordered[-1]}
 
 
 def main() -> None:
@@ -69,14 +78,6 @@ def main() -> None:
                                            args.prompt_len, args.output_len)
     fresh = runs[:recycled_from] if recycled_from >= 0 else runs
     recycled = runs[recycled_from:] if recycled_from >= 0 else []
-    def figures(runs: list[int]) -> dict[str, float | int | None]:
-        if not runs:
-            return {"reservations": 0}
-        ordered = sorted(runs)
-        return {"reservations": len(runs), "median_runs": statistics.median(runs),
-                "mean_runs": round(statistics.fmean(runs), 2),
-                "p90_runs": ordered[int(0.9 * (len(ordered) - 1))], "max_runs": ordered[-1]}
-
     report = {
         "streams": args.streams, "requests": len(runs), "num_pages": args.num_pages,
         "pages_a_reservation": -(-args.prompt_len // 16),

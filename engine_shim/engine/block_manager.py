@@ -76,19 +76,12 @@ class BlockManager:
         # room, and a prefix released lately, keep their hits.
         scarce = len(self._free_set) < max(num_pages, self.num_total_pages // 16)
         released_by = self._cache.out_of_order_bound() if self._cache is not None and scarce else -1
-        page = -1 if after is None else after + 1
-        while 0 <= page < self.num_total_pages and len(pages) < num_pages and \
-                self._take_if_idle(page, released_by):
-            pages.append(page)
-            page += 1
+        page = -1 if after is None else after + 1  # the page a run would take next
         while len(pages) < num_pages:
-            page = self._take_one()
+            if not (0 <= page < self.num_total_pages and self._take_if_idle(page, released_by)):
+                page = self._take_one()  # a new run
             pages.append(page)
             page += 1
-            while len(pages) < num_pages and page < self.num_total_pages and \
-                    self._take_if_idle(page, released_by):
-                pages.append(page)
-                page += 1
         for page in pages:
             self._ref_counts[page] = 1
         return pages

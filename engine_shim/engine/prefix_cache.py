@@ -71,7 +71,7 @@ class PrefixCache:
         if not self._evictable:
             return None
         page, _ = self._evictable.popitem(last=False)
-        del self._page_by_hash[self._hash_by_page.pop(page)]
+        self._forget(page)
         return page
 
     def out_of_order_bound(self) -> int:
@@ -89,8 +89,11 @@ class PrefixCache:
         if self._evictable.get(page, released_by + 1) > released_by:
             return False
         del self._evictable[page]
-        del self._page_by_hash[self._hash_by_page.pop(page)]
+        self._forget(page)
         return True
+
+    def _forget(self, page: int) -> None:
+        del self._page_by_hash[self._hash_by_page.pop(page)]
 
     def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.num_queries += 1
