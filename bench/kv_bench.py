@@ -133,6 +133,7 @@ async def run(
     engine_process: str = "auto",
     receiver_load: int = 0,
     load_via: str = "start-generate",
+    nixl_local_copy: str = "true",
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
     # shared memory) between two Python processes. D has no prefix-cache hit: every run
@@ -144,6 +145,9 @@ async def run(
         # Where each shim's engine core runs (the shim's --engine-process; auto: a process of
         # its own on CUDA). NIXL's agent lives beside the pool either way (nixl_core.py).
         common += ["--engine-process", engine_process]
+        # On one GPU a NIXL write is copies into D's pool mapped in P's core (CUDA IPC), NIXL
+        # carrying its notification; false: NIXL's own transfer (pool_ipc.py).
+        common += ["--kv-nixl-local-copy", nixl_local_copy]
         d = group.start("decode", ["shim", "--role", "decode", *common, "--log-level", "WARNING"])
         # P pushes only to peers it knows (issue 17): D, named up front.
         p = group.start("prefill", ["shim", "--role", "prefill", *common, "--log-level", "INFO",
@@ -313,6 +317,9 @@ def main() -> None:
     parser.add_argument("--paths", nargs="+", choices=ALL_PATHS, default=list(ALL_PATHS))
     parser.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto",
                         help="the shims' --engine-process")
+    parser.add_argument("--nixl-local-copy", choices=("true", "false"), default="true",
+                        help="the shims' --kv-nixl-local-copy: on one GPU, nixl writes as "
+                             "copies into D's pool mapped in P's process (CUDA IPC)")
     parser.add_argument("--receiver-load", type=int, default=0,
                         help="greedy generations kept running on D through the sends")
     parser.add_argument("--receiver-load-via", choices=("start-generate", "stream"),
@@ -331,13 +338,14 @@ def main() -> None:
             paths = tuple(p for p in paths if p != "nixl")
     rows = asyncio.run(
         run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths,
-            args.engine_process, args.receiver_load, args.receiver_load_via)
+            args.engine_process, args.receiver_load, args.receiver_load_via, args.nixl_local_copy)
     )
     print(
         json.dumps(
             {
                 "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
                 "engine_process": args.engine_process,
+                "nixl_local_copy": args.nixl_local_copy,
                 "rows": rows,
             },
             indent=2,

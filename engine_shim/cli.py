@@ -58,6 +58,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-push-chunk-bytes", int, "largest KV payload of one PushKV message"),
     ("--kv-transport", str, "auto | nixl | shm | grpc: how KV moves to peer shims"),
     ("--kv-write-timeout-s", float, "bound on one NIXL KV write"),
+    ("--kv-nixl-local-copy", str, "true | false: NIXL writes between engines on one GPU copy into "
+     "the receiver's pool mapped by CUDA IPC, NIXL carrying the notification (default true)"),
     ("--start-after-kv-in-engine", str, "true | false: a start that waits for its KV waits in "
      "the engine core (default) or in the shim (embedded)"),
     ("--kv-shm", str, "true | false: KV through shared memory between shims of one host"),

@@ -110,6 +110,13 @@ class ShimSettings(BaseSettings):
         "stage, else the gRPC stream; nixl = NIXL or gRPC (NIXL must load); shm = shared "
         "memory or gRPC; grpc = the gRPC stream only.",
     )
+    kv_nixl_local_copy: bool = Field(
+        True,
+        description="NIXL between two engines on one GPU: the receiver offers its pool's CUDA "
+        "IPC mapping, and a sender on the same GPU writes by copying into it (one copy kernel "
+        "per run of slots, beside its steps), NIXL carrying only the notification; false: "
+        "every write goes through NIXL's transfer (for side-by-side measurements).",
+    )
     start_after_kv_in_engine: bool = Field(
         True,
         description="A start that waits for its reservation's KV (after_kv_transfer) waits in "

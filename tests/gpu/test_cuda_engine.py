@@ -317,7 +317,8 @@ def _shim_test_helpers() -> ModuleType:
     return module
 
 
-def test_pd_between_two_shim_processes_on_one_gpu(tmp_path: Path) -> None:
+@pytest.mark.parametrize("local_copy", ["true", "false"])
+def test_pd_between_two_shim_processes_on_one_gpu(tmp_path: Path, local_copy: str) -> None:
     from microserving.v1 import engine_pb2
 
     helpers = _shim_test_helpers()
@@ -329,8 +330,10 @@ def test_pd_between_two_shim_processes_on_one_gpu(tmp_path: Path) -> None:
     # a prefill of the whole prompt. In bf16 those kernels round differently and a near-tie of
     # the random tiny model flipped the 15th token (seen on the H200 with the fused kernels);
     # fp32 makes the comparison about the data plane, which moves the KV bytes exactly.
-    flags = ("--device", "cuda", "--dtype", "float32")
-    prefill = start_shim(tmp_path, "p", "--role", "prefill", *flags)
+    # local_copy: P writes by copying into D's pool mapped by CUDA IPC (pool_ipc.py), NIXL
+    # only notifying; false: NIXL's own transfer. Where NIXL does not load, both push.
+    flags = ("--device", "cuda", "--dtype", "float32", "--kv-nixl-local-copy", local_copy)
+    prefill = start_shim(tmp_path, "p", "--role", "prefill", *flags, "--log-level", "INFO")
     decode = start_shim(tmp_path, "d", "--role", "decode", *flags)
     single = start_shim(tmp_path, "s", "--role", "both", *flags)
 
@@ -358,3 +361,6 @@ def test_pd_between_two_shim_processes_on_one_gpu(tmp_path: Path) -> None:
             shim.stop()
     assert got == reference and len(got) == 16
     assert after == before
+    log = prefill.log_text()
+    if "path=nixl" in log:
+        assert ("mapped here by CUDA IPC" in log) == (local_copy == "true"), log[-2000:]

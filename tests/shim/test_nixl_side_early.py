@@ -19,7 +19,10 @@ pytestmark = pytest.mark.unit
 
 
 class _Agent:
-    """What NixlSide asks of its agent here: the notifications read since the last call."""
+    """What NixlSide asks of its agent here: the notifications read since the last call
+    (and none sent on their own, which it would progress for)."""
+
+    is_notifying = False
 
     def __init__(self) -> None:
         self.incoming: list[tuple[str, bytes]] = []

@@ -129,7 +129,8 @@ class EmbeddedBackend:
         config = engine_config(self._settings)
         own_process = core_in_own_process(self._settings)
         # A core in its own process keeps the NIXL agent beside its pool (nixl_core.py).
-        side = (functools.partial(nixl_side, loopback=_is_loopback(self._settings.host))
+        side = (functools.partial(nixl_side, loopback=_is_loopback(self._settings.host),
+                                  local_copy=self._settings.kv_nixl_local_copy)
                 if own_process and self._core_factory is None
                 and self._settings.kv_transport in ("auto", "nixl") else None)
         engine = AsyncEngine(config, self._core_factory, own_process=own_process, side_factory=side)
@@ -515,7 +516,9 @@ def _start_nixl(transport: str, pool: torch.Tensor | None, host: str) -> NixlPla
     `auto` falls back with a log."""
     if transport not in ("auto", "nixl") or pool is None:
         return None
-    agent, reason = start_agent(pool, _is_loopback(host))
+    # No copies into mapped pools (kv_nixl_local_copy): a copy's notification leaves only as
+    # the agent progresses, which the core's side does between steps and nothing does here.
+    agent, reason = start_agent(pool, _is_loopback(host), local_copy=False)
     if agent is None:
         _no_nixl(transport, reason)
         return None

@@ -3,7 +3,7 @@ to push KV (the receiver's data-plane address), which reservation it fills (requ
 random token), which slots (MLC-style segments), what KV layout the receiver expects and,
 when it can take the KV through shared memory, which segment (shm.py), and
 when a transfer engine may write its pool directly, the agent and pool regions to write
-(nixl.py). Opaque to the router, which passes it through unchanged."""
+(nixl.py) and, for a sender on the same GPU, the pool's CUDA IPC mapping (pool_ipc.py). Opaque to the router, which passes it through unchanged."""
 
 from __future__ import annotations
 
@@ -36,6 +36,33 @@ class ShmOffer:
 
 
 @dataclass(frozen=True)
+class PoolMapping:
+    """What another process on this host needs to map a CUDA pool (torch's IPC handles of
+    the pool's storage, base64) and where the pool lies in that storage."""
+
+    host: str  # host_identity(): boot id and hostname
+    pid: int  # the owning process: a sender in the same process never maps its own pool
+    device_uuid: str
+    handle: str
+    storage_bytes: int
+    storage_offset: int  # of the storage in the allocation the handle names (bytes)
+    ref_counter_handle: str
+    ref_counter_offset: int
+    event_handle: str
+    event_sync_required: bool
+    pool_offset: int  # of the pool in its storage (bytes)
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> PoolMapping:
+        return cls(
+            str(body["host"]), int(body["pid"]), str(body["device_uuid"]), str(body["handle"]),
+            int(body["storage_bytes"]), int(body["storage_offset"]),
+            str(body["ref_counter_handle"]), int(body["ref_counter_offset"]),
+            str(body["event_handle"]), bool(body["event_sync_required"]), int(body["pool_offset"]),
+        )
+
+
+@dataclass(frozen=True)
 class NixlOffer:
     """The receiver's NIXL agent and where its KV pool lies: the slot `s` of plane `p`
     (p = 2 * layer + (0 key, 1 value)) starts at `base + p * plane_bytes + s * slot_bytes`."""
@@ -48,13 +75,17 @@ class NixlOffer:
     num_planes: int
     plane_bytes: int
     slot_bytes: int
+    # Set where a sender on the same GPU may copy into the pool itself (pool_ipc.py).
+    mapping: PoolMapping | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> NixlOffer:
+        mapping = body.get("mapping")
         return cls(
             str(body["agent"]), str(body["metadata"]), str(body["mem_type"]),
             int(body["device_id"]), int(body["base"]), int(body["num_planes"]),
             int(body["plane_bytes"]), int(body["slot_bytes"]),
+            PoolMapping.from_json(mapping) if mapping is not None else None,
         )
 
 

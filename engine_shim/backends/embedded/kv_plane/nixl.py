@@ -32,7 +32,13 @@ import torch
 
 from engine_shim.backends.embedded.kv_plane.addr import NixlOffer
 from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion, descriptors, paired_runs
-from engine_shim.engine.api import UnavailableError
+from engine_shim.backends.embedded.kv_plane.pool_ipc import (
+    copy_runs,
+    export_pool,
+    open_pool,
+    slot_view,
+)
+from engine_shim.engine.api import InvalidRequestError, UnavailableError
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,10 @@ logger = logging.getLogger(__name__)
 # re-exports whichever is there.
 _MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 _SPIN_S = 0.0005  # poll by yielding this long, then sleep
+# A notification sent on its own (after a copy into a mapped pool) leaves only once this
+# agent's worker progresses: it is progressed at every poll of the core's side until the
+# receiver has confirmed the write, or for this long at most.
+NOTIFY_PROGRESS_S = 5.0
 _MAX_POLL_S = 0.0005  # a wait's polling adds at most this to a transfer's latency
 
 
@@ -75,9 +85,11 @@ def _adopt_nixl_logger() -> None:
         nixl_logger.setLevel(logging.WARNING)
 
 
-def start_agent(pool: torch.Tensor, loopback: bool) -> tuple[NixlAgent | None, str]:
+def start_agent(pool: torch.Tensor, loopback: bool, local_copy: bool = True) -> tuple[NixlAgent | None, str]:
     """An agent over `pool` in this process, or None and why not (NIXL missing or failing to
-    start). `loopback`: the shim is bound to loopback, and UCX is kept there too."""
+    start). `loopback`: the shim is bound to loopback, and UCX is kept there too.
+    `local_copy`: a CUDA pool is offered for mapping, and a peer's mapped pool is written by
+    copying into it (pool_ipc.py)."""
     if loopback:
         # UCX listens on every network device it finds; a shim bound to loopback keeps its
         # KV data plane there too (shared memory and CUDA IPC are not network devices).
@@ -86,7 +98,7 @@ def start_agent(pool: torch.Tensor, loopback: bool) -> tuple[NixlAgent | None, s
     if module is None:
         return None, reason
     try:
-        return NixlAgent(module, pool), ""
+        return NixlAgent(module, pool, local_copy), ""
     except Exception as error:  # noqa: BLE001 - NIXL/UCX raise assorted errors
         return None, f"NIXL agent failed to start: {error}"
 
@@ -124,6 +136,17 @@ class _Poller:
 class WriteNotStarted(UnavailableError):
     """A write was given up before anything of it was posted: nothing can land, so the
     receiver need not fence the pages (the sender abandons its claim)."""
+
+
+@dataclass(eq=False)
+class _Copy:
+    """A write made as copies into the receiver's pool mapped here (pool_ipc.py): done on
+    the device once `copied` has, landed once the notification has gone out."""
+
+    copied: torch.cuda.Event | None  # None: copied when the copies returned (a CPU pool)
+    agent: str
+    tag: bytes
+    is_notified: bool = False
 
 
 @dataclass(frozen=True)
@@ -174,6 +197,10 @@ class KVWritePlane(Protocol):
         WriteNotStarted when it ended so before anything of it was posted."""
         ...
 
+    def landed(self, offer: NixlOffer, tag: bytes) -> None:
+        """The receiver confirmed the write notified by `tag` (its notification has left)."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -183,7 +210,7 @@ class NixlAgent:
     the pool does: in the shim's process for a thread core (NixlPlane), in the engine core's
     process for a process core (nixl_core.py)."""
 
-    def __init__(self, module: Any, pool: torch.Tensor) -> None:
+    def __init__(self, module: Any, pool: torch.Tensor, local_copy: bool = True) -> None:
         self.name = f"microserving-{os.getpid()}-{secrets.token_hex(4)}"
         # No progress thread: NIXL runs it with no delay between polls, a core spinning per
         # shim once a peer is connected (it starved the engine threads of a 2-core box). UCX
@@ -204,19 +231,53 @@ class NixlAgent:
         # one failed write would fail all the others, each failure dropping the peer again.
         self._handle_peers: dict[int, str] = {}  # id(handle) -> peer
         self._drop_later: set[str] = set()
+        # A CUDA pool is offered for mapping by a sender on the same GPU, and a peer's pool
+        # offered so is copied into from here, on a stream of its own beside the engine's.
+        self._local_copy = local_copy
+        self._notifying: dict[bytes, float] = {}  # tag -> progressed for until (monotonic)
+        self._arrived: list[tuple[str, bytes]] = []  # read while progressing
+        self._mapping = None
+        self._copy_stream: torch.cuda.Stream | None = None
+        self._mapped: dict[str, torch.Tensor | None] = {}  # peer agent -> its pool mapped here
+        self._slots = slot_view(pool, self.region)
+        if local_copy and pool.is_cuda:
+            try:
+                self._mapping = export_pool(pool)
+            except Exception:  # noqa: BLE001 - then every write goes through NIXL
+                logger.warning("cannot offer the KV pool for mapping; NIXL writes it", exc_info=True)
+            self._copy_stream = torch.cuda.Stream(device=pool.device)
 
     def offer(self) -> NixlOffer:
         r = self.region
         return NixlOffer(
             agent=self.name, metadata=self._metadata, mem_type=self.mem_type,
             device_id=r.device_id, base=r.base, num_planes=r.num_planes,
-            plane_bytes=r.plane_bytes, slot_bytes=r.slot_bytes,
+            plane_bytes=r.plane_bytes, slot_bytes=r.slot_bytes, mapping=self._mapping,
         )
 
     def notifications(self) -> list[tuple[str, bytes]]:
         """(sender agent, tag) of every notification that arrived since the last call."""
-        return [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
-                for tag in tags]
+        got, self._arrived = self._arrived, []
+        return got + [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
+                      for tag in tags]
+
+    @property
+    def is_notifying(self) -> bool:
+        """A notification sent on its own may not have left yet: progress() it."""
+        return bool(self._notifying)
+
+    def progress(self) -> None:
+        """Progress this agent's worker for the notifications sent on their own (what comes
+        in meanwhile is kept for notifications()); one unconfirmed for NOTIFY_PROGRESS_S is
+        no longer progressed for."""
+        now = time.monotonic()
+        self._notifying = {tag: until for tag, until in self._notifying.items() if until > now}
+        self._arrived += [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
+                          for tag in tags]
+
+    def confirmed(self, tag: bytes) -> None:
+        """The receiver has the write notified by `tag`: its notification has left."""
+        self._notifying.pop(tag, None)
 
     def load_peer(self, offer: NixlOffer) -> str:
         """Load (once per metadata) the offering agent; its name, checked against the offer."""
@@ -240,6 +301,7 @@ class NixlAgent:
             self._drop_later.add(agent)
             return
         self._drop_later.discard(agent)
+        self._mapped.pop(agent, None)
         if self._peers.pop(agent, None) is not None:
             try:
                 self._agent.remove_remote_agent(agent)
@@ -251,8 +313,12 @@ class NixlAgent:
     ) -> tuple[Any, str, int]:
         """Start writing `local_slots` of this pool into `remote_slots` of the offering peer's,
         notifying `tag` once it landed: (transfer handle, its state, bytes it writes). The
-        offering agent is loaded first if it is not (a peer dropped after a failure)."""
+        offering agent is loaded first if it is not (a peer dropped after a failure). Into
+        a pool mapped here (the same GPU), the write is copies and the notification."""
         self.load_peer(offer)
+        mapped = self._peer_pool(offer)
+        if mapped is not None:
+            return self._copy(mapped, offer, local_slots, remote_slots, tag)
         local_starts, remote_starts, lengths = paired_runs(local_slots, remote_slots)
         remote = offer_region(offer)
         agent = self._agent
@@ -270,14 +336,61 @@ class NixlAgent:
             raise
         return handle, state, self.region.bytes_of(int(lengths.sum()))
 
+    def _peer_pool(self, offer: NixlOffer) -> torch.Tensor | None:
+        """The offering peer's pool mapped here, where its offer allows and it can be (once
+        per peer); None: write through NIXL."""
+        if offer.mapping is None or not self._local_copy:
+            return None
+        if offer.agent not in self._mapped:
+            try:
+                mapped = open_pool(offer.mapping, offer_region(offer), self._pool)
+                if mapped is not None:
+                    logger.info("KV writes to agent %s: copies into its pool, mapped here by CUDA IPC",
+                                offer.agent)
+                self._mapped[offer.agent] = mapped
+            except InvalidRequestError:
+                raise
+            except Exception as error:  # noqa: BLE001 - CUDA's errors: NIXL writes instead
+                logger.warning("cannot map the KV pool of agent %s (%s); NIXL writes to it",
+                               offer.agent, error)
+                self._mapped[offer.agent] = None
+        return self._mapped[offer.agent]
+
+    def _copy(self, mapped: torch.Tensor, offer: NixlOffer, local_slots: np.ndarray,
+              remote_slots: np.ndarray, tag: bytes) -> tuple[Any, str, int]:
+        stream = self._copy_stream
+        copied = None
+        if stream is None:  # host memory: copied once the copies return
+            num_bytes = copy_runs(mapped, self._slots, local_slots, remote_slots)
+        else:
+            with torch.cuda.stream(stream):
+                num_bytes = copy_runs(mapped, self._slots, local_slots, remote_slots)
+                copied = torch.cuda.Event()
+                copied.record(stream)
+        handle = _Copy(copied, offer.agent, tag)
+        self._handle_peers[id(handle)] = offer.agent
+        return handle, "PROC", num_bytes
+
     def state(self, handle: Any) -> str:
+        if isinstance(handle, _Copy):
+            # Landed once copied on the device: then the receiver hears of it.
+            if not handle.is_notified:
+                if handle.copied is not None and not handle.copied.query():
+                    return "PROC"
+                self._agent.send_notif(handle.agent, handle.tag)
+                handle.is_notified = True
+                self._notifying[handle.tag] = time.monotonic() + NOTIFY_PROGRESS_S
+                self.progress()
+            return "DONE"
         return str(self._agent.check_xfer_state(handle))
 
     def release(self, handle: Any) -> None:
         """Release a transfer, cancelling it if it still runs; a drop of its peer waiting
-        for it follows."""
+        for it follows. Copies cannot be cancelled: one released unfinished lands without
+        a notification (its receiver fences the slots, as for a cancelled transfer)."""
         try:
-            handle.release()
+            if not isinstance(handle, _Copy):
+                handle.release()
         except Exception:  # noqa: BLE001 - logged; nothing else can be done with it
             logger.exception("could not release (cancel) a NIXL transfer")
         peer = self._handle_peers.pop(id(handle), None)
@@ -415,6 +528,10 @@ class NixlPlane:
         finally:
             self._agent.release(handle)
         return num_bytes
+
+    def landed(self, offer: NixlOffer, tag: bytes) -> None:
+        """KVWritePlane.landed: nothing to do (this plane's agent copies into no mapped pool:
+        its notifications would need progress that nothing here makes)."""
 
     def close(self) -> None:
         if self._listener is not None:

@@ -79,6 +79,7 @@ _WITHDRAW_S = 2.0
 _EXPECT, _FORGET = "nixl_expect", "nixl_forget"
 _LOAD, _DROP = "nixl_load_peer", "nixl_drop_peer"
 _WRITE, _CANCEL = "nixl_write", "nixl_cancel"
+_LANDED = "nixl_landed"
 
 
 # ---- in the core's process ----
@@ -127,7 +128,7 @@ class NixlSide:
     NOT_STARTED if the send ends first or it is still parked at `park_until` (the write's
     deadline less PARK_MARGIN_S)."""
 
-    ops = frozenset({_EXPECT, _FORGET, _LOAD, _DROP, _WRITE, _CANCEL})
+    ops = frozenset({_EXPECT, _FORGET, _LOAD, _DROP, _WRITE, _CANCEL, _LANDED})
 
     def __init__(self, core: LLMEngine, agent: NixlAgent | None, reason: str = "") -> None:
         self._core = core  # reads held sends' slots, completes expected writes
@@ -146,7 +147,8 @@ class NixlSide:
 
     @property
     def is_busy(self) -> bool:
-        return bool(self._writes or self._ended or self._expected or self._parked or self._early)
+        return bool(self._writes or self._ended or self._expected or self._parked or self._early
+                    or self._agent is not None and self._agent.is_notifying)
 
     def facts(self) -> tuple[NixlOffer | None, str]:
         return (None, self._reason) if self._agent is None else (self._agent.offer(), "")
@@ -171,6 +173,8 @@ class NixlSide:
             agent.drop_peer(args[0])
         elif op == _WRITE:
             self._start_write(*args)
+        elif op == _LANDED:  # the receiver confirmed: a notification sent on its own has left
+            agent.confirmed(args[0])
         elif op == _CANCEL:
             # True: it was still parked, so nothing of it was posted
             parked = self._parked.pop(args[0], None)
@@ -265,6 +269,8 @@ class NixlSide:
         if self._parked:
             self._post_parked()
         self._spin_fresh()
+        if agent.is_notifying:
+            agent.progress()
         events, self._ended = self._ended, []
         if self._early:
             events += self._match_early()
@@ -358,10 +364,11 @@ def _is_running(agent: NixlAgent, posted: _Posted) -> bool:
         return False
 
 
-def nixl_side(core: LLMEngine, loopback: bool) -> NixlSide:
+def nixl_side(core: LLMEngine, loopback: bool, local_copy: bool = True) -> NixlSide:
     """The core's side with an agent over its pool, or without one and the reason (NIXL
-    missing or failing to start). `loopback`: the shim is bound to loopback, and so is UCX."""
-    agent, reason = start_agent(core.kv_cache.kv, loopback)
+    missing or failing to start). `loopback`: the shim is bound to loopback, and so is UCX;
+    `local_copy`: start_agent's."""
+    agent, reason = start_agent(core.kv_cache.kv, loopback, local_copy)
     return NixlSide(core, agent, reason)
 
 
@@ -459,6 +466,13 @@ class CoreNixlPlane:
                 self._engine.submit_side(_CANCEL, xfer_id)  # releases (cancels) the transfer
             self._writes.pop(xfer_id, None)
         return self.region.bytes_of(len(remote_slots))  # the side checked they pair up
+
+    def landed(self, offer: NixlOffer, tag: bytes) -> None:
+        """KVWritePlane.landed: where the write may have been copies into the receiver's
+        mapped pool, their notification (sent on its own) has left, and the core's agent
+        need no longer progress for it."""
+        if offer.mapping is not None:
+            self._engine.submit_side(_LANDED, tag)
 
     async def _withdraw_late(self, xfer_id: int, ended: asyncio.Future[tuple[str, str]],
                              agent: str) -> None:

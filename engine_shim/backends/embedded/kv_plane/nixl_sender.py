@@ -237,6 +237,7 @@ async def _claim_and_write(
         marks.written = time.perf_counter()
         await _event(ended, "done", deadline)
         marks.done = time.perf_counter()
+        plane.landed(offer, addr.reservation_token.encode())
         return num_bytes
     except WriteNotStarted:
         if hold is not None and (stop is None or not stop.done()):

@@ -1,0 +1,150 @@
+"""A NIXL write as copies into the receiver's pool mapped in the sender's process
+(kv_plane/pool_ipc.py): the copies move exactly the paired runs of slots and refuse slots
+outside either pool; the offer's mapping travels in kv_addr_info and is covered by the write
+digest; a pool in host memory is never offered nor mapped. With two real engines and two real
+NIXL agents in this process (UCX over host memory), a write into a peer's pool held here lands
+as copies plus NIXL's notification, and the receiver completes the reservation exactly as for
+a NIXL transfer: the decode equals one engine alone. CUDA IPC itself (mapping another
+process's device pool) runs in tests/gpu, where two shim processes share one GPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+import pytest
+import torch
+from engine_test_utils import GREEDY, generate_alone, random_prompt, tokens_of
+
+from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer, PoolMapping
+from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, load_nixl, start_agent
+from engine_shim.backends.embedded.kv_plane.nixl_core import NixlSide
+from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion, segment_slots
+from engine_shim.backends.embedded.kv_plane.pool_ipc import (
+    copy_runs,
+    export_pool,
+    open_pool,
+    slot_view,
+)
+from engine_shim.engine.api import InvalidRequestError, KVLayout
+from engine_shim.engine.disaggregation import SendReady
+from engine_shim.engine.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.unit
+
+NIXL, WHY_NOT = load_nixl()
+
+MAPPING = PoolMapping(
+    host="boot/host", pid=4242, device_uuid="GPU-1", handle="aGFuZGxl", storage_bytes=1 << 20,
+    storage_offset=0, ref_counter_handle="cmVm", ref_counter_offset=3, event_handle="",
+    event_sync_required=False, pool_offset=0,
+)
+
+
+def test_copies_move_exactly_the_paired_runs() -> None:
+    src = torch.randint(0, 256, (4, 32, 8), dtype=torch.uint8)
+    dst = torch.zeros((4, 40, 8), dtype=torch.uint8)
+    local = np.array([3, 4, 5, 10, 11, 12], dtype=np.int64)
+    remote = np.array([20, 21, 22, 23, 7, 8], dtype=np.int64)  # runs break on one side only
+    assert copy_runs(dst, src, local, remote) == 6 * 4 * 8
+    for mine, theirs in zip(local.tolist(), remote.tolist(), strict=True):
+        assert torch.equal(dst[:, theirs], src[:, mine])
+    untouched = sorted(set(range(40)) - set(remote.tolist()))
+    assert not dst[:, untouched].any()
+
+
+@pytest.mark.parametrize("local, remote", [([30, 31, 32], [0, 1, 2]), ([0, 1, 2], [38, 39, 40]),
+                                           ([-1], [0])])
+def test_copies_refuse_slots_outside_either_pool_before_copying_any(local: list[int], remote: list[int]) -> None:
+    src = torch.ones((2, 32, 4), dtype=torch.uint8)
+    dst = torch.zeros((2, 40, 4), dtype=torch.uint8)
+    with pytest.raises(InvalidRequestError, match="outside the pool"):
+        copy_runs(dst, src, np.array(local, dtype=np.int64), np.array(remote, dtype=np.int64))
+    assert not dst.any()
+
+
+def _addr(mapping: PoolMapping | None) -> KVAddrInfo:
+    offer = NixlOffer(agent="d", metadata="bWQ=", mem_type="VRAM", device_id=0, base=4096,
+                      num_planes=4, plane_bytes=4096, slot_bytes=64, mapping=mapping)
+    layout = KVLayout(model_fingerprint="tiny", dtype="float32", num_layers=2, num_kv_heads=1,
+                      head_dim=16, page_size=16)
+    return KVAddrInfo(address="127.0.0.1:1", request_id="r", reservation_token="t", begin=0,
+                      end=16, kv_segments=(1, 0, 16), layout=layout, nixl=offer)
+
+
+def test_the_mapping_travels_in_kv_addr_info_and_the_write_digest_covers_it() -> None:
+    addr = _addr(MAPPING)
+    assert KVAddrInfo.decode(addr.encode()) == addr
+    other = _addr(dataclasses.replace(MAPPING, handle="b3RoZXI="))
+    assert other.write_digest() != addr.write_digest()
+    assert _addr(None).write_digest() != addr.write_digest()
+    # An offer from a receiver that makes none (older, or on the CPU) decodes without one.
+    assert KVAddrInfo.decode(_addr(None).encode()).nixl.mapping is None  # type: ignore[union-attr]
+
+
+def test_host_memory_is_neither_offered_nor_mapped() -> None:
+    pool = torch.zeros((2, 2, 8, 1, 4))
+    assert export_pool(pool) is None
+    region = PoolRegion(pool.data_ptr(), 4, 8 * 16, 16, 0)
+    assert open_pool(MAPPING, region, pool) is None
+    assert slot_view(pool, region).shape == (4, 8, 16)
+
+
+@pytest.fixture()
+def pair(make_engine: Callable[..., LLMEngine]) -> Iterator[tuple[LLMEngine, NixlSide, LLMEngine, NixlSide]]:
+    if NIXL is None:
+        pytest.skip(WHY_NOT)
+    sides, engines = [], []
+    for _ in range(2):
+        engine = make_engine()
+        agent, reason = start_agent(engine.kv_cache.kv, loopback=True)
+        assert agent is not None, reason
+        assert agent.offer().mapping is None  # a CPU pool: nothing to map
+        engines.append(engine)
+        sides.append(NixlSide(engine, agent))
+    yield engines[0], sides[0], engines[1], sides[1]
+    for side in sides:
+        side.close()
+
+
+def test_a_write_into_a_mapped_pool_lands_as_copies_and_the_notification(
+    make_engine: Callable[..., LLMEngine], pair
+) -> None:
+    prefill, p_side, decode, d_side = pair
+    ids = random_prompt(23, 100)
+    expected = generate_alone(make_engine(), "ref", ids, GREEDY)
+    recv = decode.prep_recv("pd", ids, -1)
+    decode.begin_kv_write("pd", time.monotonic() + 60)
+    d_offer = d_side.facts()[0]
+    assert d_offer is not None
+    offer = dataclasses.replace(d_offer, mapping=MAPPING)
+    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
+    tag = b"reservation-token"
+    d_side.call("nixl_expect", (tag, sender, "pd"))
+    assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
+    # The receiver's pool, as mapping it would give it here (the engines share this process;
+    # CUDA IPC itself runs in tests/gpu).
+    agent = p_side._agent
+    assert agent is not None
+    agent._mapped[offer.agent] = slot_view(decode.kv_cache.kv, agent.region)
+    prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end)
+    while not any(isinstance(e, SendReady) for e in prefill.step()):
+        pass
+    p_side.call("nixl_write", (1, offer, HeldSlots("pd", 0), segment_slots(recv.kv_segments), tag,
+                               time.monotonic() + 60))
+    deadline = time.monotonic() + 20
+    events: list[tuple] = []
+    while len(events) < 2:
+        assert time.monotonic() < deadline, f"not there in time; saw {events}"
+        events += p_side.poll() + d_side.poll()
+    assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
+    # Its notification went out on its own: the sender's agent progresses for it until the
+    # receiver's confirmation (nixl_sender -> plane.landed), then rests.
+    assert p_side.is_busy
+    p_side.call("nixl_landed", (tag,))
+    assert not p_side.is_busy
+    prefill.finish_remote_send("pd")
+    decode.start_generate("pd", ids, recv.end, GREEDY)
+    assert tokens_of(decode.run_until_done()["pd"]) == expected
