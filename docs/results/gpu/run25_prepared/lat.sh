@@ -10,8 +10,10 @@ finish() { cd $R && find . -name "*.log" -path "*logs*" -size +2M -delete; tar c
 trap finish EXIT
 for mode in split embed; do
   echo "== $mode $(date +%T)"
-  extra=""; [ $mode = embed ] && extra="--embed-router"
-  MSSTAMP_DIR=$R/st_$mode PYTHONPATH=$PWD:/tmp/site OUT=$R/$mode GPU_STEPS=capacity GPU_STREAMS=1 GPU_ROUNDS=1 \
+  # (run 25 ran without GPU_ROUTER_REPLICAS=1, and its embed half stopped at the benchmark's
+  # refusal of --router-replicas with --embed-router)
+  extra=""; replicas=2; [ $mode = embed ] && extra="--embed-router" && replicas=1
+  GPU_ROUTER_REPLICAS=$replicas MSSTAMP_DIR=$R/st_$mode PYTHONPATH=$PWD:/tmp/site OUT=$R/$mode GPU_STEPS=capacity GPU_STREAMS=1 GPU_ROUNDS=1 \
     GPU_REQUESTS_PER_STREAM=${L_REQUESTS:-30} GPU_MIN_REQUESTS=30 GPU_CAPACITY_TIMEOUT_S=${L_T:-240} \
     GPU_CAPACITY_ARGS="--patterns round-robin disagg $extra" bash scripts/gpu_run.sh > $R/run_$mode.log 2>&1
   grep -h -E "^\| (round|disagg)" $R/$mode/capacity.log

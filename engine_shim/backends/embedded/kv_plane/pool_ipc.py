@@ -82,23 +82,26 @@ def open_pool(mapping: PoolMapping, region: PoolRegion, local_pool: torch.Tensor
 
 
 def slot_view(flat: torch.Tensor, region: PoolRegion) -> torch.Tensor:
-    """A pool's bytes as [planes, slots, slot bytes] (plane p, slot s at p * plane_bytes +
-    s * slot_bytes, as nixl_descs describes a pool)."""
-    return flat.view(torch.uint8).reshape(region.num_planes, region.num_slots, region.slot_bytes)
+    """A pool's bytes as [planes, slots, words of a slot] (plane p, slot s at p * plane_bytes +
+    s * slot_bytes, as nixl_descs describes a pool), in 8-byte words where a slot is a
+    whole number of them: a copy kernel then moves 8 bytes an element, not one (a copy of
+    bytes ran at about 100 GB/s on an H100: 2.6 ms for 8,176 tokens of llama-1b)."""
+    slots = flat.view(torch.uint8).reshape(region.num_planes, region.num_slots, region.slot_bytes)
+    return slots.view(torch.int64) if region.slot_bytes % 8 == 0 else slots
 
 
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, local_slots: np.ndarray,
               remote_slots: np.ndarray) -> int:
-    """Copy `local_slots` of `src` into `remote_slots` of `dst` (both [planes, slots, slot
-    bytes]), one copy of every plane per run of slots consecutive on both sides, on the
-    current stream; the bytes copied. Slots outside either pool are refused first."""
+    """Copy `local_slots` of `src` into `remote_slots` of `dst` (both slot_view's [planes,
+    slots, words]), one copy of every plane per run of slots consecutive on both sides, on
+    the current stream; the bytes copied. Slots outside either pool are refused first."""
     local_starts, remote_starts, lengths = paired_runs(local_slots, remote_slots)
     for starts, pool in ((local_starts, src), (remote_starts, dst)):
         if (starts < 0).any() or (starts + lengths > pool.shape[1]).any():
             raise InvalidRequestError("a slot run lies outside the pool region")
     for local, remote, length in zip(local_starts.tolist(), remote_starts.tolist(), lengths.tolist(), strict=True):
         dst[:, remote : remote + length].copy_(src[:, local : local + length], non_blocking=True)
-    return int(lengths.sum()) * src.shape[0] * src.shape[2]
+    return int(lengths.sum()) * src.shape[0] * src.shape[2] * src.element_size()
 
 
 def _b64(raw: bytes | None) -> str:
