@@ -4,7 +4,8 @@ outside either pool; the offer's mapping travels in kv_addr_info and is covered 
 digest; a pool in host memory is never offered nor mapped. With two real engines and two real
 NIXL agents in this process (UCX over host memory), a write into a peer's pool held here lands
 as copies plus NIXL's notification, and the receiver completes the reservation exactly as for
-a NIXL transfer: the decode equals one engine alone. CUDA IPC itself (mapping another
+a NIXL transfer: the decode equals one engine alone; a mapping the sender cannot open leaves
+the write to NIXL's transfer. CUDA IPC itself (mapping another
 process's device pool) runs in tests/gpu, where two shim processes share one GPU."""
 
 from __future__ import annotations
@@ -147,6 +148,43 @@ def test_a_write_into_a_mapped_pool_lands_as_copies_and_the_notification(
     assert p_side.is_busy
     p_side.call("nixl_landed", (tag,))
     assert not p_side.is_busy
+    prefill.finish_remote_send("pd")
+    decode.start_generate("pd", ids, recv.end, GREEDY)
+    assert tokens_of(decode.run_until_done()["pd"]) == expected
+
+
+def test_an_offered_mapping_that_cannot_be_opened_here_is_written_through_nixl(
+    make_engine: Callable[..., LLMEngine], pair
+) -> None:
+    """A receiver's mapping this process cannot open (here: the sender's pool is in host
+    memory; elsewhere another host or GPU) leaves the write to NIXL's transfer, which
+    lands the KV as ever; the mapping is not tried again for that peer."""
+    prefill, p_side, decode, d_side = pair
+    ids = random_prompt(29, 90)
+    expected = generate_alone(make_engine(), "ref", ids, GREEDY)
+    recv = decode.prep_recv("pd", ids, -1)
+    decode.begin_kv_write("pd", time.monotonic() + 60)
+    d_offer = d_side.facts()[0]
+    assert d_offer is not None
+    offer = dataclasses.replace(d_offer, mapping=MAPPING)
+    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
+    tag = b"token-nixl"
+    d_side.call("nixl_expect", (tag, sender, "pd"))
+    assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
+    prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end)
+    while not any(isinstance(e, SendReady) for e in prefill.step()):
+        pass
+    p_side.call("nixl_write", (1, offer, HeldSlots("pd", 0), segment_slots(recv.kv_segments), tag,
+                               time.monotonic() + 60))
+    deadline = time.monotonic() + 20
+    events: list[tuple] = []
+    while len(events) < 2:
+        assert time.monotonic() < deadline, f"not there in time; saw {events}"
+        events += p_side.poll() + d_side.poll()
+    assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
+    agent = p_side._agent
+    assert agent is not None and agent._mapped == {offer.agent: None}
+    assert not p_side.is_busy  # NIXL's transfer carried the notification: nothing to progress
     prefill.finish_remote_send("pd")
     decode.start_generate("pd", ids, recv.end, GREEDY)
     assert tokens_of(decode.run_until_done()["pd"]) == expected
