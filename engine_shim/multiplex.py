@@ -121,17 +121,11 @@ class GenerateMultiplexer:
     async def _read(self, requests: AsyncIterator[engine_pb2.EngineGenerateRequest]) -> None:
         try:
             async for message in requests:
-                action = message.WhichOneof("action")
-                if action == "start":
-                    self._begin(message.start.request_id, self._run(message.start))
-                elif action == "cancel":
-                    self._cancel(message.cancel.request_id)
-                elif action == "prep_recv" or action == "remote_send":
-                    self._begin_call(action, getattr(message, action))
-                elif action == "send_to":
-                    self._send_to(message.send_to)
+                if message.WhichOneof("action") == "batch":
+                    for action in message.batch.actions:
+                        self._take(action, in_batch=True)
                 else:
-                    logger.warning("Engine.Generate: a message with no known action, ignored")
+                    self._take(message)
         finally:
             self._is_reading = False
             for target in self._targets.values():  # no send_to can come any more
@@ -141,6 +135,22 @@ class GenerateMultiplexer:
                     target.exception()  # retrieved: the send may have failed before its wait
             self._targets.clear()
             self._close_if_idle()
+
+    def _take(self, message: engine_pb2.EngineGenerateRequest, in_batch: bool = False) -> None:
+        """One action of the stream, alone or from a batch (in the batch's order)."""
+        action = message.WhichOneof("action")
+        if action == "start":
+            self._begin(message.start.request_id, self._run(message.start))
+        elif action == "cancel":
+            self._cancel(message.cancel.request_id)
+        elif action == "prep_recv" or action == "remote_send":
+            self._begin_call(action, getattr(message, action))
+        elif action == "send_to":
+            self._send_to(message.send_to)
+        elif action == "batch" and in_batch:
+            logger.warning("Engine.Generate: a batch inside a batch, ignored")
+        else:
+            logger.warning("Engine.Generate: a message with no known action, ignored")
 
     def _begin(self, request_id: str, work: Coroutine[Any, Any, None], is_call: bool = False) -> bool:
         if request_id in self._tasks:

@@ -238,6 +238,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         response.serves_stream_calls = True  # Generate below takes prep_recv and remote_send
         response.starts_after_kv_transfer = info.starts_after_kv
         response.takes_kv_addr_later = info.takes_kv_addr_later
+        response.takes_batched_actions = True  # Generate below takes EngineGenerateRequest.batch
         return response
 
 

@@ -19,6 +19,9 @@ gateway's router streams (client end). Two pieces serve all four:
   write in flight per call), so cancelling a caller never cancels the call and with it every
   request on it, and a write costs a queue entry, not a task of its own.
   When the call breaks, every request on it gets the failure, and the owner opens a new call.
+  With a `batch` function, what callers queued while a write was in flight goes out as one
+  message (batch(messages), up to MAX_BATCH_BYTES of them): a write per writer turn, not per
+  request of a wave.
 
 Imports grpcio only; each service brings its own messages.
 """
@@ -35,6 +38,10 @@ import grpc
 from grpc import aio
 
 logger = logging.getLogger(__name__)
+
+# A MultiplexedCall's batch carries queued messages of at most this many bytes together
+# (peers' message limits are far above it; a message larger than it goes alone).
+MAX_BATCH_BYTES = 64 * 1024
 
 BatchT = TypeVar("BatchT")
 EntryT = TypeVar("EntryT")
@@ -192,6 +199,7 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
         entries_of: Callable[[MessageT], Iterable[EntryT]],
         id_of: Callable[[EntryT], str],
         on_broken: Callable[[aio.AioRpcError], None] | None = None,
+        batch: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.call = call
         self.routes: dict[str, Sink[EntryT]] = {}  # open request id -> its sink
@@ -199,6 +207,7 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
         self._entries_of = entries_of
         self._id_of = id_of
         self._on_broken = on_broken
+        self._batch = batch  # several queued messages -> one (None: each alone)
         # Messages to write, in order, each with the future its writer waits on (None: nobody
         # waits). One writer task writes them (grpc.aio allows one write in flight per call),
         # so a write costs a queue entry, not a task, a lock and a wait of its own.
@@ -263,7 +272,7 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
 
     async def _write_all(self) -> None:
         outgoing = self._outgoing
-        written: asyncio.Future[None] | None = None
+        waiting: list[asyncio.Future[None] | None] = []  # the callers of the write in flight
         try:
             while True:
                 if not outgoing:
@@ -271,17 +280,40 @@ class MultiplexedCall(Generic[MessageT, EntryT]):
                     await self._writer_idle
                     continue
                 message, written = outgoing.popleft()
+                waiting = [written]
+                if self._batch is not None and outgoing:
+                    message = self._take_batch(message, waiting)
                 await self._write_one(message)
-                if written is not None and not written.done():  # done: its caller was cancelled
-                    written.set_result(None)
-                written = None
+                for written in waiting:
+                    if written is not None and not written.done():  # done: its caller was cancelled
+                        written.set_result(None)
+                waiting = []
         except asyncio.CancelledError:  # `fail` (or `close`) stopped the write in flight
-            if written is not None and not written.done():
-                written.set_exception(copy_error(self.broken or unavailable("the connection broke")))
+            error = self.broken or unavailable("the connection broke")
+            for written in waiting:
+                if written is not None and not written.done():
+                    written.set_exception(copy_error(error))
             raise
         except aio.AioRpcError as error:
-            if written is not None and not written.done():
-                written.set_exception(copy_error(error))
+            for written in waiting:
+                if written is not None and not written.done():
+                    written.set_exception(copy_error(error))
+
+    def _take_batch(self, first: Any, waiting: list[asyncio.Future[None] | None]) -> Any:
+        """`first` and the messages queued behind it, in order, as one message while they
+        stay within MAX_BATCH_BYTES together; their callers join `waiting`."""
+        assert self._batch is not None
+        outgoing = self._outgoing
+        taken = [first]
+        size = first.ByteSize()
+        while outgoing:
+            size += outgoing[0][0].ByteSize()
+            if size > MAX_BATCH_BYTES:
+                break
+            message, written = outgoing.popleft()
+            taken.append(message)
+            waiting.append(written)
+        return first if len(taken) == 1 else self._batch(taken)
 
     async def _write_one(self, message: Any) -> None:
         """Writes `message`; on failure fails the call and raises its error."""

@@ -45,8 +45,13 @@ class EngineStream:
     def _current(self) -> GenerateCall:
         call = self._call
         if call is None or not call.is_usable():
+            # Actions queued behind a write in flight go out together where the engine says it
+            # takes them so (a wave of starts and calls: one message, not one each).
+            status = self.endpoint.status
+            batch = _batched if status is not None and status.takes_batched_actions else None
             call = self._call = MultiplexedCall(
-                self.endpoint.stub.Generate(), _outputs_of, _request_id_of, on_broken=self._on_broken)
+                self.endpoint.stub.Generate(), _outputs_of, _request_id_of, on_broken=self._on_broken,
+                batch=batch)
         return call
 
     def _on_broken(self, error: grpc.aio.AioRpcError) -> None:
@@ -143,6 +148,10 @@ class _Reply:
     def fail(self, error: grpc.aio.AioRpcError) -> None:
         if not self.future.done():
             self.future.set_exception(error)
+
+
+def _batched(actions: list[engine_pb2.EngineGenerateRequest]) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(batch=engine_pb2.EngineGenerateActions(actions=actions))
 
 
 def _outputs_of(message: engine_pb2.EngineGenerateResponse) -> Sequence[engine_pb2.GenerateOutput]:

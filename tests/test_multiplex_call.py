@@ -3,7 +3,8 @@ over a real gRPC call to an in-process server: writes from many callers go out i
 order they were queued, one at a time, each caller waiting for its own; a caller cancelled
 while its message queued does not take the message (nor the call) with it; when the call
 breaks, every write queued or in flight and every later one raises the call's error, and
-every open request hears of it."""
+every open request hears of it; with a batch function, what queued behind a write in flight
+goes out as one message, in order, within MAX_BATCH_BYTES."""
 
 from __future__ import annotations
 
@@ -14,8 +15,8 @@ import grpc
 import pytest
 from grpc import aio
 
-from microserving.multiplex import MultiplexedCall
-from microserving.v1 import router_pb2, router_pb2_grpc
+from microserving.multiplex import MAX_BATCH_BYTES, MultiplexedCall
+from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
 
 pytestmark = pytest.mark.unit
 
@@ -126,3 +127,63 @@ async def test_a_broken_call_fails_queued_and_later_writes_and_its_open_requests
     assert later.value.code() is grpc.StatusCode.UNAVAILABLE
     assert "later" not in servicer.seen
     await call.close()
+
+
+class _EngineRecording(engine_pb2_grpc.EngineServicer):
+    """Records each Engine.Generate message it reads as the start ids it carries (a batch's
+    in order)."""
+
+    def __init__(self) -> None:
+        self.messages: list[list[str]] = []
+        self.arrived = asyncio.Condition()
+
+    async def Generate(self, requests, context) -> AsyncIterator[engine_pb2.EngineGenerateResponse]:  # type: ignore[no-untyped-def]  # noqa: N802
+        async for message in requests:
+            actions = message.batch.actions if message.WhichOneof("action") == "batch" else [message]
+            async with self.arrived:
+                self.messages.append([action.start.request_id for action in actions])
+                self.arrived.notify_all()
+        if False:  # pragma: no cover - an async generator that answers nothing
+            yield engine_pb2.EngineGenerateResponse()
+
+
+def _engine_start(request_id: str, num_tokens: int = 8) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
+        request_id=request_id, token_ids=list(range(num_tokens))))
+
+
+def _batched(actions: list[engine_pb2.EngineGenerateRequest]) -> engine_pb2.EngineGenerateRequest:
+    return engine_pb2.EngineGenerateRequest(batch=engine_pb2.EngineGenerateActions(actions=actions))
+
+
+@pytest.mark.parametrize("batch", [True, False], ids=["batched", "each-alone"])
+async def test_writes_queued_behind_one_in_flight_go_out_in_one_message_within_the_bound(batch: bool) -> None:
+    servicer = _EngineRecording()
+    server = aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = engine_pb2_grpc.EngineStub(channel)
+            call: MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = MultiplexedCall(
+                stub.Generate(), lambda message: message.outputs, lambda entry: entry.request_id,
+                batch=_batched if batch else None)
+            # Queued in one turn of the loop, before the writer runs: one write, the rest
+            # behind it; a message above the bound goes alone.
+            big = _engine_start("big", MAX_BATCH_BYTES // 2)  # varints of 1-3 bytes: above it
+            assert big.ByteSize() > MAX_BATCH_BYTES
+            messages = [_engine_start(f"r{i}") for i in range(6)] + [big, _engine_start("after")]
+            await asyncio.wait_for(asyncio.gather(*(call.write(m) for m in messages)), 60)
+            expected = [m.start.request_id for m in messages]
+            async with servicer.arrived:
+                await asyncio.wait_for(servicer.arrived.wait_for(
+                    lambda: sum(map(len, servicer.messages)) == len(messages)), 60)
+            assert [rid for message in servicer.messages for rid in message] == expected
+            if batch:
+                assert servicer.messages == [expected[:6], ["big"], ["after"]]
+            else:
+                assert servicer.messages == [[rid] for rid in expected]
+            call.call.cancel()
+    finally:
+        await server.stop(None)

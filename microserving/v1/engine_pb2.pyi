@@ -371,6 +371,7 @@ class EngineGenerateRequest(_message.Message):
     PREP_RECV_FIELD_NUMBER: _builtins.int
     REMOTE_SEND_FIELD_NUMBER: _builtins.int
     SEND_TO_FIELD_NUMBER: _builtins.int
+    BATCH_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def start(self) -> Global___StartGenerateRequest:
         """Start a request: the same fields and checks as Engine.StartGenerate."""
@@ -394,6 +395,13 @@ class EngineGenerateRequest(_message.Message):
         such call waiting (ended, cancelled, never made) is dropped.
         """
 
+    @_builtins.property
+    def batch(self) -> Global___EngineGenerateActions:
+        """Several actions in one message, taken in order as if each came alone (engines whose
+        status has `takes_batched_actions`): what a caller queued while its previous write was
+        in flight goes out in one message. A batch inside a batch is refused.
+        """
+
     def __init__(
         self,
         *,
@@ -402,16 +410,39 @@ class EngineGenerateRequest(_message.Message):
         prep_recv: Global___PrepRecvRequest | None = ...,
         remote_send: Global___RemoteSendRequest | None = ...,
         send_to: Global___RemoteSendTarget | None = ...,
+        batch: Global___EngineGenerateActions | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "send_to", b"send_to", "start", b"start"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "batch", b"batch", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "send_to", b"send_to", "start", b"start"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "send_to", b"send_to", "start", b"start"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["action", b"action", "batch", b"batch", "cancel", b"cancel", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "send_to", b"send_to", "start", b"start"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "prep_recv", "remote_send", "send_to"]  # noqa: Y015
+    _WhichOneofReturnType_action: _TypeAlias = _typing.Literal["start", "cancel", "prep_recv", "remote_send", "send_to", "batch"]  # noqa: Y015
     _WhichOneofArgType_action: _TypeAlias = _typing.Literal["action", b"action"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_action) -> _WhichOneofReturnType_action | None: ...
 
 Global___EngineGenerateRequest: _TypeAlias = EngineGenerateRequest  # noqa: Y015
+
+@_typing.final
+class EngineGenerateActions(_message.Message):
+    """The actions of EngineGenerateRequest.batch, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def actions(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineGenerateRequest]: ...
+    def __init__(
+        self,
+        *,
+        actions: _abc.Iterable[Global___EngineGenerateRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["actions", b"actions"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineGenerateActions: _TypeAlias = EngineGenerateActions  # noqa: Y015
 
 @_typing.final
 class GenerateError(_message.Message):
@@ -701,6 +732,7 @@ class GetStatusResponse(_message.Message):
     SERVES_STREAM_CALLS_FIELD_NUMBER: _builtins.int
     STARTS_AFTER_KV_TRANSFER_FIELD_NUMBER: _builtins.int
     TAKES_KV_ADDR_LATER_FIELD_NUMBER: _builtins.int
+    TAKES_BATCHED_ACTIONS_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model id as clients name it (e.g. "tiny" or the model directory's name)."""
     num_running_requests: _builtins.int
@@ -731,6 +763,8 @@ class GetStatusResponse(_message.Message):
     """
     takes_kv_addr_later: _builtins.bool
     """RemoteSendRequest.kv_addr_follows is served on Engine.Generate (with `send_to`)."""
+    takes_batched_actions: _builtins.bool
+    """EngineGenerateRequest.batch is served on Engine.Generate."""
     @_builtins.property
     def kv_layout(self) -> Global___KVLayout:
         """The KV layout, including the model fingerprint."""
@@ -762,10 +796,11 @@ class GetStatusResponse(_message.Message):
         serves_stream_calls: _builtins.bool = ...,
         starts_after_kv_transfer: _builtins.bool = ...,
         takes_kv_addr_later: _builtins.bool = ...,
+        takes_batched_actions: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout", "prefix_cache", b"prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer", "takes_kv_addr_later", b"takes_kv_addr_later"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer", "takes_batched_actions", b"takes_batched_actions", "takes_kv_addr_later", b"takes_kv_addr_later"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,7 +4,8 @@ alone with the unary call's status code; a RemoteSend whose receiver is gone say
 receiver is at fault, as the unary call's trailing metadata does; a call cancelled on the
 stream leaves no KV behind and the stream keeps serving; the multiplexer cancels a call the
 caller cancels, then aborts its request on the engine (also when the call had ended), and
-answers the others at once, whatever its stream interval; the router's end of such a call
+answers the others at once, whatever its stream interval; actions batched in one message run
+as if each came alone; the router's end of such a call
 times out with DEADLINE_EXCEEDED (the engine's call cancelled and its request aborted) and
 raises the unary call's error, the receiver's fault included."""
 
@@ -87,6 +88,35 @@ async def test_pd_over_the_streams_matches_one_engine_alone(prefill_shim, decode
             assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
         # Nothing stays reserved: only the prefix cache keeps the prompt (evictable: free).
         assert await wait_for_free_pages(d_stub, baseline, within_s=2.0) == baseline
+
+
+async def test_actions_batched_in_one_message_run_as_if_each_came_alone(decode_shim) -> None:
+    """EngineGenerateRequest.batch (what a router queues behind a write in flight): each
+    start runs exactly as alone; a batch inside the batch starts nothing; the stream ends
+    as usual."""
+    prompts = {"batched-a": [*PROMPT[:20], 41], "batched-b": [*PROMPT[:25], 42]}
+    want = {rid: await generate_alone(decode_shim.address, f"{rid}-alone", ids) for rid, ids in prompts.items()}
+    channel, stub = engine_stub(decode_shim.address)
+    async with channel:
+        assert (await stub.GetStatus(engine_pb2.GetStatusRequest())).takes_batched_actions
+        nested = engine_pb2.EngineGenerateRequest(batch=engine_pb2.EngineGenerateActions(
+            actions=[_start("nested", prompts["batched-a"], 0)]))
+        actions = [_start(rid, ids, 0) for rid, ids in prompts.items()] + [nested]
+        call = stub.Generate()
+        await call.write(engine_pb2.EngineGenerateRequest(batch=engine_pb2.EngineGenerateActions(actions=actions)))
+        got: dict[str, list[int]] = {rid: [] for rid in prompts}
+        finished: set[str] = set()
+        while finished != set(prompts):
+            message = await asyncio.wait_for(call.read(), 60)
+            for output in message.outputs:
+                assert output.request_id in prompts and not output.HasField("error"), output
+                for choice in output.choices:
+                    got[output.request_id].extend(choice.token_ids)
+                if output.HasField("usage"):
+                    finished.add(output.request_id)
+        assert got == want
+        await call.done_writing()
+        assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
 
 
 async def _unary_code(coroutine) -> grpc.StatusCode:
