@@ -5,7 +5,7 @@ digest; a pool in host memory is never offered nor mapped. With two real engines
 NIXL agents in this process (UCX over host memory), a write into a peer's pool held here lands
 as copies plus NIXL's notification, and the receiver completes the reservation exactly as for
 a NIXL transfer: the decode equals one engine alone; a mapping the sender cannot open leaves
-the write to NIXL's transfer. CUDA IPC itself (mapping another
+the write to NIXL's transfer, and a mapping left unused is dropped. CUDA IPC itself (mapping another
 process's device pool) runs in tests/gpu, where two shim processes share one GPU."""
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ import torch
 from engine_test_utils import GREEDY, generate_alone, random_prompt, tokens_of
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer, PoolMapping
-from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, load_nixl, start_agent
+from engine_shim.backends.embedded.kv_plane.nixl import (
+    MAPPING_IDLE_S,
+    HeldSlots,
+    load_nixl,
+    start_agent,
+)
 from engine_shim.backends.embedded.kv_plane.nixl_core import NixlSide
 from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion, segment_slots
 from engine_shim.backends.embedded.kv_plane.pool_ipc import (
@@ -131,7 +136,7 @@ def test_a_write_into_a_mapped_pool_lands_as_copies_and_the_notification(
     # CUDA IPC itself runs in tests/gpu).
     agent = p_side._agent
     assert agent is not None
-    agent._mapped[offer.agent] = slot_view(decode.kv_cache.kv, agent.region)
+    agent._mapped[offer.agent] = (slot_view(decode.kv_cache.kv, agent.region), time.monotonic())
     prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end)
     while not any(isinstance(e, SendReady) for e in prefill.step()):
         pass
@@ -183,8 +188,22 @@ def test_an_offered_mapping_that_cannot_be_opened_here_is_written_through_nixl(
         events += p_side.poll() + d_side.poll()
     assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
     agent = p_side._agent
-    assert agent is not None and agent._mapped == {offer.agent: None}
+    assert agent is not None and agent._mapped[offer.agent][0] is None
     assert not p_side.is_busy  # NIXL's transfer carried the notification: nothing to progress
     prefill.finish_remote_send("pd")
     decode.start_generate("pd", ids, recv.end, GREEDY)
     assert tokens_of(decode.run_until_done()["pd"]) == expected
+
+
+def test_a_mapping_unused_for_its_idle_time_is_dropped_at_the_next_lookup(pair) -> None:
+    """A receiver that went away leaves no mapping of its memory behind for good: a peer's
+    pool not written for MAPPING_IDLE_S is unmapped when the next write looks one up."""
+    _, p_side, _, d_side = pair
+    agent = p_side._agent
+    d_offer = d_side.facts()[0]
+    assert agent is not None and d_offer is not None
+    stale = torch.zeros(4, 8, 2, dtype=torch.int64)
+    agent._mapped["gone"] = (stale, time.monotonic() - MAPPING_IDLE_S - 1)
+    agent._mapped["recent"] = (stale, time.monotonic())
+    agent._peer_pool(dataclasses.replace(d_offer, mapping=MAPPING))
+    assert set(agent._mapped) == {"recent", d_offer.agent}

@@ -50,6 +50,9 @@ _SPIN_S = 0.0005  # poll by yielding this long, then sleep
 # agent's worker progresses: it is progressed at every poll of the core's side until the
 # receiver has confirmed the write, or for this long at most.
 NOTIFY_PROGRESS_S = 5.0
+# A peer's pool mapped here and not written for this long is unmapped (a receiver that went
+# away leaves no mapping of its memory behind for good); a later write maps it again.
+MAPPING_IDLE_S = 60.0
 _MAX_POLL_S = 0.0005  # a wait's polling adds at most this to a transfer's latency
 
 
@@ -238,7 +241,8 @@ class NixlAgent:
         self._arrived: list[tuple[str, bytes]] = []  # read while progressing
         self._mapping = None
         self._copy_stream: torch.cuda.Stream | None = None
-        self._mapped: dict[str, torch.Tensor | None] = {}  # peer agent -> its pool mapped here
+        # peer agent -> (its pool mapped here or None: it cannot be, last used, monotonic)
+        self._mapped: dict[str, tuple[torch.Tensor | None, float]] = {}
         self._slots = slot_view(pool, self.region)
         if local_copy and pool.is_cuda:
             try:
@@ -341,20 +345,27 @@ class NixlAgent:
         per peer); None: write through NIXL."""
         if offer.mapping is None or not self._local_copy:
             return None
-        if offer.agent not in self._mapped:
+        now = time.monotonic()
+        for agent, (_, used) in list(self._mapped.items()):
+            if now - used > MAPPING_IDLE_S:
+                del self._mapped[agent]
+        if offer.agent in self._mapped:
+            mapped = self._mapped[offer.agent][0]
+        else:
             try:
                 mapped = open_pool(offer.mapping, offer_region(offer), self._pool)
-                if mapped is not None:
-                    logger.info("KV writes to agent %s: copies into its pool, mapped here by CUDA IPC",
-                                offer.agent)
-                self._mapped[offer.agent] = mapped
             except InvalidRequestError:
                 raise
             except Exception as error:  # noqa: BLE001 - CUDA's errors: NIXL writes instead
                 logger.warning("cannot map the KV pool of agent %s (%s); NIXL writes to it",
                                offer.agent, error)
-                self._mapped[offer.agent] = None
-        return self._mapped[offer.agent]
+                mapped = None
+            else:
+                if mapped is not None:
+                    logger.info("KV writes to agent %s: copies into its pool, mapped here by CUDA IPC",
+                                offer.agent)
+        self._mapped[offer.agent] = (mapped, now)
+        return mapped
 
     def _copy(self, mapped: torch.Tensor, offer: NixlOffer, local_slots: np.ndarray,
               remote_slots: np.ndarray, tag: bytes) -> tuple[Any, str, int]:
