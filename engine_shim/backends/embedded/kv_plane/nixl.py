@@ -149,6 +149,7 @@ class _Copy:
     copied: torch.cuda.Event | None  # None: copied when the copies returned (a CPU pool)
     agent: str
     tag: bytes
+    target: torch.Tensor  # the mapped pool, kept mapped while the copies may run
     is_notified: bool = False
 
 
@@ -378,7 +379,7 @@ class NixlAgent:
                 num_bytes = copy_runs(mapped, self._slots, local_slots, remote_slots)
                 copied = torch.cuda.Event()
                 copied.record(stream)
-        handle = _Copy(copied, offer.agent, tag)
+        handle = _Copy(copied, offer.agent, tag, mapped)
         self._handle_peers[id(handle)] = offer.agent
         return handle, "PROC", num_bytes
 
