@@ -62,6 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--send-ahead", action=argparse.BooleanOptionalAction, default=None,
         help="disagg: make P's RemoteSend together with D's PrepRecv, D's address following on "
         "P's engine stream (default), or --no-send-ahead: RemoteSend after PrepRecv returns")
+    add("--engine-stream-batches", action=argparse.BooleanOptionalAction, default=None,
+        help="send the actions queued on an engine's stream together, in one message (default), "
+        "or --no-engine-stream-batches: a message each")
     add("--token", help="shared bearer token for every hop (prefer MICROSERVING_ROUTER_TOKEN: flags show in ps)")
     add("--tls-cert", help="PEM certificate of this router (serves TLS; client cert to engines)")
     add("--tls-key", help="PEM key of --tls-cert")

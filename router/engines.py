@@ -31,8 +31,9 @@ class EngineStream:
     there (a `microserving.multiplex.MultiplexedCall`, opened on first use and replaced when
     it breaks). Its reader hands each request's output straight to that request's sink."""
 
-    def __init__(self, endpoint: Endpoint) -> None:
+    def __init__(self, endpoint: Endpoint, batches: bool = True) -> None:
         self.endpoint = endpoint
+        self._batches = batches  # RouterSettings.engine_stream_batches
         self._call: GenerateCall | None = None
         # False once the engine answered UNIMPLEMENTED (a shim from before Engine.Generate):
         # its requests then go through StartGenerate.
@@ -48,7 +49,8 @@ class EngineStream:
             # Actions queued behind a write in flight go out together where the engine says it
             # takes them so (a wave of starts and calls: one message, not one each).
             status = self.endpoint.status
-            batch = _batched if status is not None and status.takes_batched_actions else None
+            takes = self._batches and status is not None and status.takes_batched_actions
+            batch = _batched if takes else None
             call = self._call = MultiplexedCall(
                 self.endpoint.stub.Generate(), _outputs_of, _request_id_of, on_broken=self._on_broken,
                 batch=batch)
@@ -223,7 +225,8 @@ class Engines:
         its call is opened on first use and again after it breaks)."""
         stream = self._streams.get(endpoint.address)
         if stream is None or stream.endpoint is not endpoint:
-            stream = self._streams[endpoint.address] = EngineStream(endpoint)
+            stream = self._streams[endpoint.address] = EngineStream(
+                endpoint, batches=self.settings.engine_stream_batches)
         return stream
 
     def call_failed(self, exc: grpc.aio.AioRpcError | TimeoutError, address: str, stage: str) -> EngineCallError:

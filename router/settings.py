@@ -90,6 +90,12 @@ class RouterSettings(BaseSettings):
         "answers (where the prefill engine serves RemoteSendRequest.kv_addr_follows), so the "
         "prefill computes meanwhile; false: RemoteSend after PrepRecv returns.",
     )
+    engine_stream_batches: bool = Field(
+        default=True,
+        description="On an engine's Generate stream, the actions queued behind the write in flight "
+        "go out as one message (EngineGenerateRequest.batch, where the engine's status has "
+        "takes_batched_actions); false: a message each (for side-by-side measurements).",
+    )
     kv_full_wait_s: float = Field(
         default=5.0, ge=0,
         description="When every engine's KV cache is full, how long a new request waits for room "

@@ -187,3 +187,41 @@ async def test_writes_queued_behind_one_in_flight_go_out_in_one_message_within_t
             call.call.cancel()
     finally:
         await server.stop(None)
+
+
+class _NoSink:
+    def deliver(self, entry: engine_pb2.GenerateOutput) -> bool:
+        return False
+
+    def fail(self, error: aio.AioRpcError) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("takes", "batches", "merged"), [(True, True, True), (False, True, False), (True, False, False)],
+                         ids=["engine-and-router-agree", "engine-does-not-take-them", "router-setting-off"])
+async def test_a_routers_engine_stream_batches_where_the_engine_takes_them_and_the_setting_allows(
+    takes: bool, batches: bool, merged: bool,
+) -> None:
+    from microserving.transport import TransportSettings
+    from router.endpoint import Endpoint
+    from router.engines import EngineStream
+
+    servicer = _EngineRecording()
+    server = aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    endpoint = Endpoint(address=f"127.0.0.1:{port}", configured_roles=None)
+    endpoint.connect(TransportSettings())
+    endpoint.status = engine_pb2.GetStatusResponse(takes_batched_actions=takes)
+    stream = EngineStream(endpoint, batches=batches)
+    try:
+        starts = [engine_pb2.StartGenerateRequest(request_id=f"s{i}", token_ids=[1, 2, 3]) for i in range(4)]
+        await asyncio.wait_for(asyncio.gather(*(stream.start(s, _NoSink()) for s in starts)), 60)
+        async with servicer.arrived:
+            await asyncio.wait_for(servicer.arrived.wait_for(lambda: sum(map(len, servicer.messages)) == 4), 60)
+        expected = ["s0", "s1", "s2", "s3"]
+        assert servicer.messages == ([expected] if merged else [[rid] for rid in expected])
+    finally:
+        await stream.close()
+        await server.stop(None)
