@@ -123,7 +123,7 @@ class GenerateMultiplexer:
             async for message in requests:
                 if message.WhichOneof("action") == "batch":
                     for action in message.batch.actions:
-                        self._take(action, in_batch=True)
+                        self._take(action)
                 else:
                     self._take(message)
         finally:
@@ -136,8 +136,9 @@ class GenerateMultiplexer:
             self._targets.clear()
             self._close_if_idle()
 
-    def _take(self, message: engine_pb2.EngineGenerateRequest, in_batch: bool = False) -> None:
-        """One action of the stream, alone or from a batch (in the batch's order)."""
+    def _take(self, message: engine_pb2.EngineGenerateRequest) -> None:
+        """One action of the stream, alone or from a batch (in the batch's order; _read
+        unpacks a batch that comes alone, so one here is inside another)."""
         action = message.WhichOneof("action")
         if action == "start":
             self._begin(message.start.request_id, self._run(message.start))
@@ -147,7 +148,7 @@ class GenerateMultiplexer:
             self._begin_call(action, getattr(message, action))
         elif action == "send_to":
             self._send_to(message.send_to)
-        elif action == "batch" and in_batch:
+        elif action == "batch":
             logger.warning("Engine.Generate: a batch inside a batch, ignored")
         else:
             logger.warning("Engine.Generate: a message with no known action, ignored")

@@ -50,7 +50,7 @@ class EngineStream:
             # takes them so (a wave of starts and calls: one message, not one each).
             status = self.endpoint.status
             takes = self._batches and status is not None and status.takes_batched_actions
-            batch = _batched if takes else None
+            batch = batched_actions if takes else None
             call = self._call = MultiplexedCall(
                 self.endpoint.stub.Generate(), _outputs_of, _request_id_of, on_broken=self._on_broken,
                 batch=batch)
@@ -152,7 +152,8 @@ class _Reply:
             self.future.set_exception(error)
 
 
-def _batched(actions: list[engine_pb2.EngineGenerateRequest]) -> engine_pb2.EngineGenerateRequest:
+def batched_actions(actions: list[engine_pb2.EngineGenerateRequest]) -> engine_pb2.EngineGenerateRequest:
+    """Engine.Generate actions as one message (EngineGenerateRequest.batch), in order."""
     return engine_pb2.EngineGenerateRequest(batch=engine_pb2.EngineGenerateActions(actions=actions))
 
 

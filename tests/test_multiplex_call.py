@@ -16,7 +16,10 @@ import pytest
 from grpc import aio
 
 from microserving.multiplex import MAX_BATCH_BYTES, MultiplexedCall
+from microserving.transport import TransportSettings
 from microserving.v1 import engine_pb2, engine_pb2_grpc, router_pb2, router_pb2_grpc
+from router.endpoint import Endpoint
+from router.engines import EngineStream, batched_actions
 
 pytestmark = pytest.mark.unit
 
@@ -146,47 +149,52 @@ class _EngineRecording(engine_pb2_grpc.EngineServicer):
         if False:  # pragma: no cover - an async generator that answers nothing
             yield engine_pb2.EngineGenerateResponse()
 
+    async def until_read(self, count: int) -> None:
+        """Until `count` actions have come, in however many messages."""
+        async with self.arrived:
+            await asyncio.wait_for(self.arrived.wait_for(lambda: sum(map(len, self.messages)) == count), 60)
+
+
+@pytest.fixture
+async def engine_served() -> AsyncIterator[tuple[_EngineRecording, str]]:
+    servicer = _EngineRecording()
+    server = aio.server()
+    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    yield servicer, f"127.0.0.1:{port}"
+    await server.stop(None)
+
 
 def _engine_start(request_id: str, num_tokens: int = 8) -> engine_pb2.EngineGenerateRequest:
     return engine_pb2.EngineGenerateRequest(start=engine_pb2.StartGenerateRequest(
         request_id=request_id, token_ids=list(range(num_tokens))))
 
 
-def _batched(actions: list[engine_pb2.EngineGenerateRequest]) -> engine_pb2.EngineGenerateRequest:
-    return engine_pb2.EngineGenerateRequest(batch=engine_pb2.EngineGenerateActions(actions=actions))
-
-
 @pytest.mark.parametrize("batch", [True, False], ids=["batched", "each-alone"])
-async def test_writes_queued_behind_one_in_flight_go_out_in_one_message_within_the_bound(batch: bool) -> None:
-    servicer = _EngineRecording()
-    server = aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            stub = engine_pb2_grpc.EngineStub(channel)
-            call: MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = MultiplexedCall(
-                stub.Generate(), lambda message: message.outputs, lambda entry: entry.request_id,
-                batch=_batched if batch else None)
-            # Queued in one turn of the loop, before the writer runs: one write, the rest
-            # behind it; a message above the bound goes alone.
-            big = _engine_start("big", MAX_BATCH_BYTES // 2)  # varints of 1-3 bytes: above it
-            assert big.ByteSize() > MAX_BATCH_BYTES
-            messages = [_engine_start(f"r{i}") for i in range(6)] + [big, _engine_start("after")]
-            await asyncio.wait_for(asyncio.gather(*(call.write(m) for m in messages)), 60)
-            expected = [m.start.request_id for m in messages]
-            async with servicer.arrived:
-                await asyncio.wait_for(servicer.arrived.wait_for(
-                    lambda: sum(map(len, servicer.messages)) == len(messages)), 60)
-            assert [rid for message in servicer.messages for rid in message] == expected
-            if batch:
-                assert servicer.messages == [expected[:6], ["big"], ["after"]]
-            else:
-                assert servicer.messages == [[rid] for rid in expected]
-            call.call.cancel()
-    finally:
-        await server.stop(None)
+async def test_writes_queued_behind_one_in_flight_go_out_in_one_message_within_the_bound(
+    engine_served, batch: bool,
+) -> None:
+    servicer, address = engine_served
+    async with aio.insecure_channel(address) as channel:
+        stub = engine_pb2_grpc.EngineStub(channel)
+        call: MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = MultiplexedCall(
+            stub.Generate(), lambda message: message.outputs, lambda entry: entry.request_id,
+            batch=batched_actions if batch else None)
+        # Queued in one turn of the loop, before the writer runs: one write, the rest
+        # behind it; a message above the bound goes alone.
+        big = _engine_start("big", MAX_BATCH_BYTES // 2)  # varints of 1-3 bytes: above it
+        assert big.ByteSize() > MAX_BATCH_BYTES
+        messages = [_engine_start(f"r{i}") for i in range(6)] + [big, _engine_start("after")]
+        await asyncio.wait_for(asyncio.gather(*(call.write(m) for m in messages)), 60)
+        expected = [m.start.request_id for m in messages]
+        await servicer.until_read(len(messages))
+        assert [rid for message in servicer.messages for rid in message] == expected
+        if batch:
+            assert servicer.messages == [expected[:6], ["big"], ["after"]]
+        else:
+            assert servicer.messages == [[rid] for rid in expected]
+        call.call.cancel()
 
 
 class _NoSink:
@@ -200,28 +208,18 @@ class _NoSink:
 @pytest.mark.parametrize(("takes", "batches", "merged"), [(True, True, True), (False, True, False), (True, False, False)],
                          ids=["engine-and-router-agree", "engine-does-not-take-them", "router-setting-off"])
 async def test_a_routers_engine_stream_batches_where_the_engine_takes_them_and_the_setting_allows(
-    takes: bool, batches: bool, merged: bool,
+    engine_served, takes: bool, batches: bool, merged: bool,
 ) -> None:
-    from microserving.transport import TransportSettings
-    from router.endpoint import Endpoint
-    from router.engines import EngineStream
-
-    servicer = _EngineRecording()
-    server = aio.server()
-    engine_pb2_grpc.add_EngineServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    endpoint = Endpoint(address=f"127.0.0.1:{port}", configured_roles=None)
+    servicer, address = engine_served
+    endpoint = Endpoint(address=address, configured_roles=None)
     endpoint.connect(TransportSettings())
     endpoint.status = engine_pb2.GetStatusResponse(takes_batched_actions=takes)
     stream = EngineStream(endpoint, batches=batches)
     try:
         starts = [engine_pb2.StartGenerateRequest(request_id=f"s{i}", token_ids=[1, 2, 3]) for i in range(4)]
         await asyncio.wait_for(asyncio.gather(*(stream.start(s, _NoSink()) for s in starts)), 60)
-        async with servicer.arrived:
-            await asyncio.wait_for(servicer.arrived.wait_for(lambda: sum(map(len, servicer.messages)) == 4), 60)
+        await servicer.until_read(len(starts))
         expected = ["s0", "s1", "s2", "s3"]
         assert servicer.messages == ([expected] if merged else [[rid] for rid in expected])
     finally:
         await stream.close()
-        await server.stop(None)

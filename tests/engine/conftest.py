@@ -4,12 +4,14 @@ written on the spot with `save_pretrained` (nothing is downloaded)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
+from engine_shim.backends.embedded.kv_plane.nixl import load_nixl, start_agent
+from engine_shim.backends.embedded.kv_plane.nixl_core import NixlSide
 from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.llm_engine import LLMEngine
 from microserving.tokenizer import BYTE_CHAT_TEMPLATE, build_byte_level_backend
@@ -23,6 +25,26 @@ def make_engine() -> Callable[..., LLMEngine]:
         return LLMEngine(EngineConfig(**base))  # type: ignore[arg-type]
 
     return make
+
+
+@pytest.fixture
+def nixl_pair(make_engine: Callable[..., LLMEngine]) -> Iterator[tuple[LLMEngine, NixlSide, LLMEngine, NixlSide]]:
+    """Two engines, each with a real NIXL agent over its pool (UCX over host memory) beside
+    it as nixl_core.NixlSide: (prefill, its side, decode, its side). Skipped where NIXL cannot
+    load."""
+    module, why_not = load_nixl()
+    if module is None:
+        pytest.skip(why_not)
+    engines, sides = [], []
+    for _ in range(2):
+        engine = make_engine()
+        agent, reason = start_agent(engine.kv_cache.kv, loopback=True)
+        assert agent is not None, reason
+        engines.append(engine)
+        sides.append(NixlSide(engine, agent))
+    yield engines[0], sides[0], engines[1], sides[1]
+    for side in sides:
+        side.close()
 
 
 def _write_tokenizer(path: Path, eos: str = "<|eos|>") -> None:

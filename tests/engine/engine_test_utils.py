@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from engine_shim.engine.api import GenerateOutput, SamplingParams
@@ -27,3 +31,15 @@ def generate_alone(engine: LLMEngine, request_id: str, ids: list[int], sampling:
 def random_prompt(seed: int, length: int, vocab: int = 256) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=generator).tolist()
+
+
+def poll_sides(*sides: Any, until: Callable[[list[tuple]], bool], within_s: float = 20.0) -> list[tuple]:
+    """Every NIXL side's events (nixl_core.NixlSide.poll), polled together (UCX over TCP
+    moves a write only while both agents progress), until `until(events)`."""
+    deadline = time.monotonic() + within_s
+    events: list[tuple] = []
+    while not until(events):
+        assert time.monotonic() < deadline, f"not there in time; saw {events}"
+        for side in sides:
+            events += side.poll()
+    return events

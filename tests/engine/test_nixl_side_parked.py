@@ -8,13 +8,13 @@ cancelled from the shim reports that nothing was posted. Skipped where NIXL cann
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
-from engine_test_utils import GREEDY, generate_alone, random_prompt, tokens_of
+from engine_test_utils import GREEDY, generate_alone, poll_sides, random_prompt, tokens_of
 
-from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, load_nixl, start_agent
-from engine_shim.backends.embedded.kv_plane.nixl_core import NOT_STARTED, NixlSide
+from engine_shim.backends.embedded.kv_plane.nixl import HeldSlots, load_nixl
+from engine_shim.backends.embedded.kv_plane.nixl_core import NOT_STARTED
 from engine_shim.backends.embedded.kv_plane.nixl_descs import segment_slots
 from engine_shim.engine.disaggregation import SendReady
 from engine_shim.engine.llm_engine import LLMEngine
@@ -23,37 +23,10 @@ NIXL, WHY_NOT = load_nixl()
 pytestmark = [pytest.mark.unit, pytest.mark.skipif(NIXL is None, reason=WHY_NOT)]
 
 
-@pytest.fixture()
-def pair(make_engine: Callable[..., LLMEngine]) -> Iterator[tuple[LLMEngine, NixlSide, LLMEngine, NixlSide]]:
-    sides = []
-    engines = []
-    for _ in range(2):
-        engine = make_engine()
-        agent, reason = start_agent(engine.kv_cache.kv, loopback=True)
-        assert agent is not None, reason
-        engines.append(engine)
-        sides.append(NixlSide(engine, agent))
-    yield engines[0], sides[0], engines[1], sides[1]
-    for side in sides:
-        side.close()
-
-
-def _events(*sides: NixlSide, until: Callable[[list[tuple]], bool], within_s: float = 20.0) -> list[tuple]:
-    """Every side's events, polled together (UCX over TCP moves a write only while both
-    agents progress), until `until(events)`."""
-    deadline = time.monotonic() + within_s
-    events: list[tuple] = []
-    while not until(events):
-        assert time.monotonic() < deadline, f"not there in time; saw {events}"
-        for side in sides:
-            events += side.poll()
-    return events
-
-
 def test_a_write_parked_before_the_kv_is_computed_lands_once_it_is(
-    make_engine: Callable[..., LLMEngine], pair
+    make_engine: Callable[..., LLMEngine], nixl_pair
 ) -> None:
-    prefill, p_side, decode, d_side = pair
+    prefill, p_side, decode, d_side = nixl_pair
     ids = random_prompt(21, 120)
     expected = generate_alone(make_engine(), "ref", ids, GREEDY)
     recv = decode.prep_recv("pd", ids, -1)
@@ -73,7 +46,7 @@ def test_a_write_parked_before_the_kv_is_computed_lands_once_it_is(
     # Posted in the first poll after: it ends, and the receiver's side completes the
     # reservation in its engine on the notification.
     sender = p_side.facts()[0].agent  # type: ignore[union-attr]
-    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2)
+    events = poll_sides(p_side, d_side, until=lambda seen: len(seen) == 2)
     assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
     prefill.finish_remote_send("pd")
     decode.start_generate("pd", ids, recv.end, GREEDY)
@@ -82,12 +55,12 @@ def test_a_write_parked_before_the_kv_is_computed_lands_once_it_is(
 
 
 def test_writes_whose_sends_one_step_computes_are_posted_in_one_poll_and_all_land(
-    make_engine: Callable[..., LLMEngine], pair
+    make_engine: Callable[..., LLMEngine], nixl_pair
 ) -> None:
     """A prefill step that computes several sends' KV posts their parked writes in one poll
     (checked together there, one window for all: nixl_core._spin_fresh); each lands in its
     own reservation, exactly what one engine alone computes for its prompt."""
-    prefill, p_side, decode, d_side = pair
+    prefill, p_side, decode, d_side = nixl_pair
     offer = d_side.facts()[0]
     sender = p_side.facts()[0].agent  # type: ignore[union-attr]
     assert offer is not None
@@ -109,7 +82,7 @@ def test_writes_whose_sends_one_step_computes_are_posted_in_one_poll_and_all_lan
     while len(ready) < len(prompts):
         ready |= {e.request_id for e in prefill.step() if isinstance(e, SendReady)}
     assert ready == set(prompts)
-    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2 * len(prompts))
+    events = poll_sides(p_side, d_side, until=lambda seen: len(seen) == 2 * len(prompts))
     assert sorted(events) == sorted(
         [("notif", sender, f"tag-{rid}".encode(), "") for rid in prompts]
         + [("write", xfer_id, "DONE", "") for xfer_id in range(1, len(prompts) + 1)])
@@ -122,8 +95,8 @@ def test_writes_whose_sends_one_step_computes_are_posted_in_one_poll_and_all_lan
 
 
 @pytest.mark.parametrize("ending", ["send aborted", "deadline passed", "cancelled"])
-def test_a_parked_write_that_cannot_start_posts_nothing(pair, ending: str) -> None:
-    prefill, p_side, decode, d_side = pair
+def test_a_parked_write_that_cannot_start_posts_nothing(nixl_pair, ending: str) -> None:
+    prefill, p_side, decode, d_side = nixl_pair
     ids = random_prompt(22, 80)
     recv = decode.prep_recv("gone", ids, -1)
     offer = d_side.facts()[0]
@@ -141,19 +114,19 @@ def test_a_parked_write_that_cannot_start_posts_nothing(pair, ending: str) -> No
         prefill.abort("gone")
     else:
         time.sleep(0.1)
-    [event] = _events(p_side, until=bool)
+    [event] = poll_sides(p_side, until=bool)
     assert event[:3] == ("write", 7, NOT_STARTED)
     assert not p_side.is_busy
 
 
 def test_a_peer_dropped_while_writes_to_it_run_is_dropped_after_them_and_reloaded_by_the_next(
-    make_engine: Callable[..., LLMEngine], pair
+    make_engine: Callable[..., LLMEngine], nixl_pair
 ) -> None:
     """A failed write drops its peer (it may have restarted), but other writes to it may
     still run: removing the peer under them failed them all (NIXL_ERR_NOT_FOUND), each failure
     dropping it again. The drop waits for the transfers still open, and a write to a dropped
     peer loads it again from the offer it carries."""
-    prefill, p_side, decode, d_side = pair
+    prefill, p_side, decode, d_side = nixl_pair
     offer = d_side.facts()[0]
     sender = p_side.facts()[0].agent  # type: ignore[union-attr]
     assert offer is not None
@@ -177,12 +150,12 @@ def test_a_peer_dropped_while_writes_to_it_run_is_dropped_after_them_and_reloade
     tag_1, _ = write(1, "first", random_prompt(31, 90))
     # The peer is dropped (another write to it failed) while this one is still open here.
     p_side.call("nixl_drop_peer", (offer.agent,))
-    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2)
+    events = poll_sides(p_side, d_side, until=lambda seen: len(seen) == 2)
     assert sorted(events) == [("notif", sender, tag_1, ""), ("write", 1, "DONE", "")]
     assert offer.agent not in agent._peers  # dropped once the write was released
     # The next write loads the peer again from its offer, and lands.
     tag_2, _ = write(2, "second", random_prompt(32, 90))
-    events = _events(p_side, d_side, until=lambda seen: len(seen) == 2)
+    events = poll_sides(p_side, d_side, until=lambda seen: len(seen) == 2)
     assert sorted(events) == [("notif", sender, tag_2, ""), ("write", 2, "DONE", "")]
     for request_id in ("first", "second"):
         prefill.finish_remote_send(request_id)

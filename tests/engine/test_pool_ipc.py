@@ -5,27 +5,23 @@ digest; a pool in host memory is never offered nor mapped. With two real engines
 NIXL agents in this process (UCX over host memory), a write into a peer's pool held here lands
 as copies plus NIXL's notification, and the receiver completes the reservation exactly as for
 a NIXL transfer: the decode equals one engine alone; a mapping the sender cannot open leaves
-the write to NIXL's transfer, and a mapping left unused is dropped. CUDA IPC itself (mapping another
-process's device pool) runs in tests/gpu, where two shim processes share one GPU."""
+the write to NIXL's transfer, and a mapping left unused is dropped (these skip where NIXL
+cannot load). CUDA IPC itself (mapping another process's device pool) runs in tests/gpu,
+where two shim processes share one GPU."""
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
-from engine_test_utils import GREEDY, generate_alone, random_prompt, tokens_of
+from engine_test_utils import GREEDY, generate_alone, poll_sides, random_prompt, tokens_of
 
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer, PoolMapping
-from engine_shim.backends.embedded.kv_plane.nixl import (
-    MAPPING_IDLE_S,
-    HeldSlots,
-    load_nixl,
-    start_agent,
-)
+from engine_shim.backends.embedded.kv_plane.nixl import MAPPING_IDLE_S, HeldSlots
 from engine_shim.backends.embedded.kv_plane.nixl_core import NixlSide
 from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion, segment_slots
 from engine_shim.backends.embedded.kv_plane.pool_ipc import (
@@ -39,8 +35,6 @@ from engine_shim.engine.disaggregation import SendReady
 from engine_shim.engine.llm_engine import LLMEngine
 
 pytestmark = pytest.mark.unit
-
-NIXL, WHY_NOT = load_nixl()
 
 MAPPING = PoolMapping(
     host="boot/host", pid=4242, device_uuid="GPU-1", handle="aGFuZGxl", storage_bytes=1 << 20,
@@ -100,105 +94,84 @@ def test_host_memory_is_neither_offered_nor_mapped() -> None:
     assert view.data_ptr() == pool.data_ptr()
 
 
-@pytest.fixture()
-def pair(make_engine: Callable[..., LLMEngine]) -> Iterator[tuple[LLMEngine, NixlSide, LLMEngine, NixlSide]]:
-    if NIXL is None:
-        pytest.skip(WHY_NOT)
-    sides, engines = [], []
-    for _ in range(2):
-        engine = make_engine()
-        agent, reason = start_agent(engine.kv_cache.kv, loopback=True)
-        assert agent is not None, reason
-        assert agent.offer().mapping is None  # a CPU pool: nothing to map
-        engines.append(engine)
-        sides.append(NixlSide(engine, agent))
-    yield engines[0], sides[0], engines[1], sides[1]
-    for side in sides:
-        side.close()
-
-
-def test_a_write_into_a_mapped_pool_lands_as_copies_and_the_notification(
-    make_engine: Callable[..., LLMEngine], pair
-) -> None:
-    prefill, p_side, decode, d_side = pair
-    ids = random_prompt(23, 100)
-    expected = generate_alone(make_engine(), "ref", ids, GREEDY)
+def _write_by_an_offer_with_a_mapping(
+    nixl_pair: tuple[LLMEngine, NixlSide, LLMEngine, NixlSide], ids: list[int], tag: bytes,
+    receiver_pool_here: bool,
+) -> tuple[list[tuple], NixlOffer, Callable[[], list[int]]]:
+    """P's NIXL write of `ids`' KV into D's reservation, by D's offer with a mapping added
+    (pools in host memory offer none); with `receiver_pool_here`, D's pool is what mapping
+    the offer gives P (the engines share this process; CUDA IPC itself runs in tests/gpu).
+    -> (both sides' events until the write ended and its notification came, the offer,
+    D's decode of the request once P has let its send go)."""
+    prefill, p_side, decode, d_side = nixl_pair
+    d_offer, p_offer = d_side.facts()[0], p_side.facts()[0]
+    assert d_offer is not None and p_offer is not None
+    assert d_offer.mapping is None and p_offer.mapping is None  # CPU pools: nothing to map
+    offer = dataclasses.replace(d_offer, mapping=MAPPING)
     recv = decode.prep_recv("pd", ids, -1)
     decode.begin_kv_write("pd", time.monotonic() + 60)
-    d_offer = d_side.facts()[0]
-    assert d_offer is not None
-    offer = dataclasses.replace(d_offer, mapping=MAPPING)
-    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
-    tag = b"reservation-token"
-    d_side.call("nixl_expect", (tag, sender, "pd"))
+    d_side.call("nixl_expect", (tag, p_offer.agent, "pd"))
     assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
-    # The receiver's pool, as mapping it would give it here (the engines share this process;
-    # CUDA IPC itself runs in tests/gpu).
-    agent = p_side._agent
-    assert agent is not None
-    agent._mapped[offer.agent] = (slot_view(decode.kv_cache.kv, agent.region), time.monotonic())
+    if receiver_pool_here:
+        agent = p_side._agent
+        assert agent is not None
+        agent._mapped[offer.agent] = (slot_view(decode.kv_cache.kv, agent.region), time.monotonic())
     prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end)
     while not any(isinstance(e, SendReady) for e in prefill.step()):
         pass
     p_side.call("nixl_write", (1, offer, HeldSlots("pd", 0), segment_slots(recv.kv_segments), tag,
                                time.monotonic() + 60))
-    deadline = time.monotonic() + 20
-    events: list[tuple] = []
-    while len(events) < 2:
-        assert time.monotonic() < deadline, f"not there in time; saw {events}"
-        events += p_side.poll() + d_side.poll()
+    events = poll_sides(p_side, d_side, until=lambda seen: len(seen) == 2)
+
+    def decoded() -> list[int]:
+        prefill.finish_remote_send("pd")
+        decode.start_generate("pd", ids, recv.end, GREEDY)
+        return tokens_of(decode.run_until_done()["pd"])
+
+    return events, offer, decoded
+
+
+def test_a_write_into_a_mapped_pool_lands_as_copies_and_the_notification(
+    make_engine: Callable[..., LLMEngine], nixl_pair
+) -> None:
+    _, p_side, _, _ = nixl_pair
+    ids = random_prompt(23, 100)
+    expected = generate_alone(make_engine(), "ref", ids, GREEDY)
+    tag = b"reservation-token"
+    events, _, decoded = _write_by_an_offer_with_a_mapping(nixl_pair, ids, tag, receiver_pool_here=True)
+    sender = p_side.facts()[0].agent
     assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
     # Its notification went out on its own: the sender's agent progresses for it until the
     # receiver's confirmation (nixl_sender -> plane.landed), then rests.
     assert p_side.is_busy
     p_side.call("nixl_landed", (tag,))
     assert not p_side.is_busy
-    prefill.finish_remote_send("pd")
-    decode.start_generate("pd", ids, recv.end, GREEDY)
-    assert tokens_of(decode.run_until_done()["pd"]) == expected
+    assert decoded() == expected
 
 
 def test_an_offered_mapping_that_cannot_be_opened_here_is_written_through_nixl(
-    make_engine: Callable[..., LLMEngine], pair
+    make_engine: Callable[..., LLMEngine], nixl_pair
 ) -> None:
     """A receiver's mapping this process cannot open (here: the sender's pool is in host
     memory; elsewhere another host or GPU) leaves the write to NIXL's transfer, which
     lands the KV as ever; the mapping is not tried again for that peer."""
-    prefill, p_side, decode, d_side = pair
+    _, p_side, _, _ = nixl_pair
     ids = random_prompt(29, 90)
     expected = generate_alone(make_engine(), "ref", ids, GREEDY)
-    recv = decode.prep_recv("pd", ids, -1)
-    decode.begin_kv_write("pd", time.monotonic() + 60)
-    d_offer = d_side.facts()[0]
-    assert d_offer is not None
-    offer = dataclasses.replace(d_offer, mapping=MAPPING)
-    sender = p_side.facts()[0].agent  # type: ignore[union-attr]
     tag = b"token-nixl"
-    d_side.call("nixl_expect", (tag, sender, "pd"))
-    assert p_side.call("nixl_load_peer", (offer,)) == offer.agent
-    prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end)
-    while not any(isinstance(e, SendReady) for e in prefill.step()):
-        pass
-    p_side.call("nixl_write", (1, offer, HeldSlots("pd", 0), segment_slots(recv.kv_segments), tag,
-                               time.monotonic() + 60))
-    deadline = time.monotonic() + 20
-    events: list[tuple] = []
-    while len(events) < 2:
-        assert time.monotonic() < deadline, f"not there in time; saw {events}"
-        events += p_side.poll() + d_side.poll()
+    events, offer, decoded = _write_by_an_offer_with_a_mapping(nixl_pair, ids, tag, receiver_pool_here=False)
+    sender = p_side.facts()[0].agent
     assert sorted(events) == [("notif", sender, tag, ""), ("write", 1, "DONE", "")]
     agent = p_side._agent
     assert agent is not None and agent._mapped[offer.agent][0] is None
     assert not p_side.is_busy  # NIXL's transfer carried the notification: nothing to progress
-    prefill.finish_remote_send("pd")
-    decode.start_generate("pd", ids, recv.end, GREEDY)
-    assert tokens_of(decode.run_until_done()["pd"]) == expected
+    assert decoded() == expected
 
 
-def test_a_mapping_unused_for_its_idle_time_is_dropped_at_the_next_lookup(pair) -> None:
+def test_a_mapping_unused_for_its_idle_time_is_dropped_at_the_next_lookup(nixl_pair) -> None:
     """A receiver that went away leaves no mapping of its memory behind for good: a peer's
     pool not written for MAPPING_IDLE_S is unmapped when the next write looks one up."""
-    _, p_side, _, d_side = pair
+    _, p_side, _, d_side = nixl_pair
     agent = p_side._agent
     d_offer = d_side.facts()[0]
     assert agent is not None and d_offer is not None

@@ -3,7 +3,8 @@ to push KV (the receiver's data-plane address), which reservation it fills (requ
 random token), which slots (MLC-style segments), what KV layout the receiver expects and,
 when it can take the KV through shared memory, which segment (shm.py), and
 when a transfer engine may write its pool directly, the agent and pool regions to write
-(nixl.py) and, for a sender on the same GPU, the pool's CUDA IPC mapping (pool_ipc.py). Opaque to the router, which passes it through unchanged."""
+(nixl.py) and, for a sender on the same GPU, the pool's CUDA IPC mapping (pool_ipc.py).
+Opaque to the router, which passes it through unchanged."""
 
 from __future__ import annotations
 

@@ -263,8 +263,12 @@ class NixlAgent:
     def notifications(self) -> list[tuple[str, bytes]]:
         """(sender agent, tag) of every notification that arrived since the last call."""
         got, self._arrived = self._arrived, []
-        return got + [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
-                      for tag in tags]
+        return got + self._read_notifications()
+
+    def _read_notifications(self) -> list[tuple[str, bytes]]:
+        """What the agent has received since it was last asked (progressing its worker)."""
+        return [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
+                for tag in tags]
 
     @property
     def is_notifying(self) -> bool:
@@ -277,8 +281,7 @@ class NixlAgent:
         no longer progressed for."""
         now = time.monotonic()
         self._notifying = {tag: until for tag, until in self._notifying.items() if until > now}
-        self._arrived += [(sender, bytes(tag)) for sender, tags in self._agent.get_new_notifs().items()
-                          for tag in tags]
+        self._arrived += self._read_notifications()
 
     def confirmed(self, tag: bytes) -> None:
         """The receiver has the write notified by `tag`: its notification has left."""

@@ -25,7 +25,6 @@ pickled: a peer's offer is data, not code.
 from __future__ import annotations
 
 import base64
-import logging
 import os
 
 import numpy as np
@@ -35,8 +34,6 @@ from engine_shim.backends.embedded.kv_plane.addr import PoolMapping
 from engine_shim.backends.embedded.kv_plane.nixl_descs import PoolRegion, paired_runs
 from engine_shim.backends.embedded.kv_plane.shm import host_identity
 from engine_shim.engine.api import InvalidRequestError
-
-logger = logging.getLogger(__name__)
 
 
 def device_uuid(device: torch.device) -> str:
@@ -62,7 +59,7 @@ def export_pool(pool: torch.Tensor) -> PoolMapping | None:
 
 
 def open_pool(mapping: PoolMapping, region: PoolRegion, local_pool: torch.Tensor) -> torch.Tensor | None:
-    """The peer's pool as a [planes, slots, slot bytes] uint8 view mapped here, or None where
+    """The peer's pool mapped here as slot_view's [planes, slots, words], or None where
     it cannot be (another host or GPU, this very process, a CPU pool here). Raises what CUDA
     raises when the mapping itself fails."""
     if not local_pool.is_cuda or mapping.pid == os.getpid() or mapping.host != host_identity():
