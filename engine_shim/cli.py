@@ -13,7 +13,7 @@ from pydantic import ValidationError
 
 from engine_shim.malloc_tuning import tune_for_large_buffers
 from engine_shim.settings import ShimSettings
-from microserving import tracing
+from microserving import cpu_latency, tracing
 from microserving.event_loop import loop_runner
 from microserving.gc_tuning import freeze_startup_heap
 from microserving.tokenizer import MODEL_HELP
@@ -74,6 +74,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
      "one stream (messages N running / this apart; default 8000; 0: unbounded)"),
     ("--max-message-bytes", int, "largest gRPC message in either direction"),
     ("--event-loop", str, "auto | asyncio | uvloop (auto: uvloop when installed)"),
+    ("--cpu-latency-us", str, "hold this bound on the host's CPU wake-up latency while serving "
+     "(/dev/cpu_dma_latency, needs root; 0: idle CPUs poll; default off)"),
     (
         "--token",
         str,
@@ -145,6 +147,11 @@ def main(argv: list[str]) -> int:
         return 2
     configure_logging(settings.log_level)
     tracing.configure("shim")
+    try:
+        cpu_latency.hold(settings.cpu_latency_us)  # held until the process exits
+    except cpu_latency.CpuLatencyError as error:
+        print(f"microserving shim: {error}", file=sys.stderr)
+        return 1
     if settings.tune_malloc:
         tune_for_large_buffers()
     return loop_runner(settings.event_loop)(run(settings))

@@ -13,6 +13,7 @@ from engine_shim.backends.synthetic.profile import (
     DEFAULT_STEP_MS,
     StepProfile,
 )
+from microserving.cpu_latency import CpuLatencySetting
 from microserving.event_loop import EventLoop
 from microserving.transport import DEFAULT_MAX_MESSAGE_BYTES, TransportSettings
 
@@ -148,6 +149,10 @@ class ShimSettings(BaseSettings):
         "auto",
         description="The serving event loop: uvloop when installed ('auto'), or force one (on the "
         "development VM a disagg shim spent 10-17% less CPU a token on uvloop; docs/throughput.md).",
+    )
+    cpu_latency_us: CpuLatencySetting = Field(
+        None,
+        description="Hold this bound (microseconds) on the host's CPU wake-up latency while the shim runs (/dev/cpu_dma_latency, needs root; 0: idle CPUs poll instead of halting). Unset or 'off': none (microserving/cpu_latency.py).",
     )
     tune_malloc: bool = Field(
         True,

@@ -28,6 +28,7 @@ from gateway.settings import (
     worker_settings_json,
 )
 from gateway.workers import ReusePortWorkers, reuse_port_balances, tcp_socket
+from microserving import cpu_latency
 from microserving.tracing import configure_logging
 
 
@@ -44,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--worker-hang-timeout-s", type=float,
                         help="with a socket per worker: replace a worker whose loop has not "
                              "answered a ping for this long (default 30)")
+    parser.add_argument("--cpu-latency-us",
+                        help="hold this bound on the host's CPU wake-up latency while serving "
+                             "(/dev/cpu_dma_latency, needs root; 0: idle CPUs poll; default off)")
     parser.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, help="HTTP port, 0 for any (default 8000)")
     parser.add_argument("--api-key", dest="api_keys", action="append",
@@ -108,6 +112,11 @@ def serve(settings: GatewaySettings, build_app: Callable[[], FastAPI], worker_fa
     `settings.workers` processes that each build theirs with `worker_factory` (an import path
     that uvicorn calls, reading the settings from the environment)."""
     configure_logging(settings.log_level)
+    try:
+        cpu_latency.hold(settings.cpu_latency_us)  # held until the process exits
+    except cpu_latency.CpuLatencyError as error:
+        print(f"microserving gateway: {error}", file=sys.stderr)
+        return 1
     own_sockets = settings.workers > 1 and settings.reuse_port and reuse_port_balances()
     try:
         # With a socket per worker, the parent's holds the port (bound, never listening:

@@ -14,6 +14,8 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from microserving.cpu_latency import CpuLatencySetting
+
 ENV_PREFIX = "MICROSERVING_GATEWAY_"
 
 
@@ -35,6 +37,12 @@ class GatewaySettings(BaseSettings):
         default=30.0, gt=0,
         description="With several workers on sockets of their own: a worker whose serving loop "
                     "has not answered the parent's ping for this long is replaced.")
+    cpu_latency_us: CpuLatencySetting = Field(
+        default=None,
+        description="Hold this bound (microseconds) on the host's CPU wake-up latency while the "
+                    "gateway runs (/dev/cpu_dma_latency; 0: idle CPUs poll instead of halting, "
+                    "which takes about a millisecond off one request's first token on a VM); "
+                    "needs root. Unset or 'off': none (microserving/cpu_latency.py).")
     host: str = Field(default="127.0.0.1", description="Interface the HTTP server binds.")
     port: int = Field(default=8000, ge=0, le=65535,
                       description="HTTP port; 0 picks a free one (the bound port is printed).")

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from microserving import tracing
+from microserving import cpu_latency, tracing
 from microserving.event_loop import loop_runner
 from microserving.pattern_names import PATTERN_NAMES
 from microserving.tokenizer import MODEL_HELP
@@ -65,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--engine-stream-batches", action=argparse.BooleanOptionalAction, default=None,
         help="send the actions queued on an engine's stream together, in one message (default), "
         "or --no-engine-stream-batches: a message each")
+    add("--cpu-latency-us", help="hold this bound on the host's CPU wake-up latency while serving "
+        "(/dev/cpu_dma_latency, needs root; 0: idle CPUs poll; default off)")
     add("--token", help="shared bearer token for every hop (prefer MICROSERVING_ROUTER_TOKEN: flags show in ps)")
     add("--tls-cert", help="PEM certificate of this router (serves TLS; client cert to engines)")
     add("--tls-key", help="PEM key of --tls-cert")
@@ -93,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"microserving router: {exc}", file=sys.stderr)
         return 2
+    try:
+        cpu_latency.hold(settings.cpu_latency_us)  # held until the process exits
+    except cpu_latency.CpuLatencyError as exc:
+        print(f"microserving router: {exc}", file=sys.stderr)
+        return 1
     with contextlib.suppress(KeyboardInterrupt):
         loop_runner(settings.event_loop)(serve_forever(router, settings.host, settings.port))
     return 0

@@ -18,6 +18,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from microserving.cpu_latency import CpuLatencySetting
 from microserving.event_loop import EventLoop
 from microserving.pattern_names import PatternName
 from microserving.transport import TransportSettings
@@ -61,6 +62,10 @@ class RouterSettings(BaseSettings):
 
     event_loop: EventLoop = Field(
         default="auto", description="Event loop: uvloop when installed ('auto'), or force one."
+    )
+    cpu_latency_us: CpuLatencySetting = Field(
+        default=None,
+        description="Hold this bound (microseconds) on the host's CPU wake-up latency while the router runs (/dev/cpu_dma_latency, needs root; 0: idle CPUs poll instead of halting). Unset or 'off': none (microserving/cpu_latency.py).",
     )
     health_interval_s: float = Field(default=1.0, gt=0, description="Seconds between health/status polls per engine.")
     health_timeout_s: float = Field(default=2.0, gt=0, description="Deadline of one health check or GetStatus.")

@@ -126,6 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="serve Prometheus /metrics of router replica i on this port + i and "
                              "of shim j on this port + replicas + j (default: none; the gateway's "
                              "is always on its own port)")
+    parser.add_argument("--cpu-latency-us",
+                        help="the gateway holds this bound on the host's CPU wake-up latency "
+                             "while it runs (/dev/cpu_dma_latency, needs root; 0: idle CPUs "
+                             "poll instead of halting; default off)")
     parser.add_argument("--startup-timeout-s", type=float, default=600.0,
                         help="seconds every service together gets to become healthy")
     parser.add_argument("--grace-s", type=float, default=10.0, help="stop grace per process")
@@ -163,6 +167,8 @@ def plan_from_args(argv: list[str]) -> StackPlan:
     gateway_args: list[str] = []
     if args.max_inflight is not None:
         gateway_args += ["--max-inflight", str(args.max_inflight)]
+    if args.cpu_latency_us is not None:  # one holder a host: the gateway's process
+        gateway_args += ["--cpu-latency-us", args.cpu_latency_us]
     router_extra: tuple[str, ...] = ()
     router_settings: dict[str, Any] = {}
     if args.router_max_inflight is not None:

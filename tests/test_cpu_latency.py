@@ -1,0 +1,151 @@
+"""The CPU wake-up latency bound a service holds (microserving/cpu_latency.py): held while the
+process runs, let go when it ends, read back from the kernel (/dev/cpu_dma_latency answers
+the bound in force); each service's setting and flag; a bound that cannot be held fails the
+start with the reason. The kernel's bound is the least of all held: each test holds a value
+of its own below the host's, so what it reads back is its own."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from engine_shim.settings import ShimSettings
+from gateway.settings import GatewaySettings
+from microserving import cpu_latency
+from router.settings import RouterSettings
+from tests.reliability.stack_procs import REPO, clean_env, launch, start_gateway, stop_all
+
+_CAN_HOLD = os.access(cpu_latency.PATH, os.W_OK)
+needs_qos = pytest.mark.skipif(
+    not _CAN_HOLD, reason=f"{cpu_latency.PATH} is not writable here (root on Linux holds it)")
+
+
+def _host_bound() -> int:
+    bound = cpu_latency.current()
+    if bound <= 10:
+        pytest.skip(f"another process holds a CPU latency bound of {bound} us on this host")
+    return bound
+
+
+def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return condition()
+
+
+@needs_qos
+def test_a_hold_is_the_kernels_bound_until_closed() -> None:
+    before = _host_bound()
+    with cpu_latency.CpuLatencyHold(3) as held:
+        assert held.us == 3
+        assert cpu_latency.current() == 3
+        with cpu_latency.CpuLatencyHold(5):  # the least of all held is the one in force
+            assert cpu_latency.current() == 3
+    assert cpu_latency.current() == before
+
+
+def test_no_setting_holds_nothing() -> None:
+    assert cpu_latency.hold(None) is None
+
+
+def test_a_bound_that_cannot_be_held_is_refused_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(cpu_latency.CpuLatencyError, match="needs root") as raised:
+        cpu_latency.CpuLatencyHold(0, str(tmp_path))  # a directory: never writable as a file
+    assert str(tmp_path) in str(raised.value)
+    with pytest.raises(cpu_latency.CpuLatencyError, match="must be in"):
+        cpu_latency.CpuLatencyHold(-1, str(tmp_path))
+
+
+@pytest.mark.parametrize("settings_type", [GatewaySettings, RouterSettings, ShimSettings])
+def test_each_service_reads_the_setting(settings_type: type, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in [k for k in os.environ if k.startswith("MICROSERVING_")]:
+        monkeypatch.delenv(name)
+    assert settings_type().cpu_latency_us is None
+    assert settings_type(cpu_latency_us="0").cpu_latency_us == 0
+    assert settings_type(cpu_latency_us="off").cpu_latency_us is None
+    assert settings_type(cpu_latency_us=" None ").cpu_latency_us is None
+    for bad in (-1, cpu_latency.MAX_US + 1, "soon"):
+        with pytest.raises(ValidationError):
+            settings_type(cpu_latency_us=bad)
+
+
+@needs_qos
+@pytest.mark.e2e
+def test_the_gateway_holds_the_bound_while_it_runs(tmp_path: Path) -> None:
+    before = _host_bound()
+    # Nothing listens at the router's address: the gateway starts and serves its own routes.
+    gateway = start_gateway(tmp_path, "127.0.0.1:9", "--cpu-latency-us", "4")
+    try:
+        assert cpu_latency.current() == 4
+    finally:
+        stop_all([gateway])
+    assert _until(lambda: cpu_latency.current() == before)  # the kernel let it go with the process
+
+
+@needs_qos
+@pytest.mark.e2e
+def test_the_router_and_the_shim_hold_it_from_the_environment(tmp_path: Path) -> None:
+    before = _host_bound()
+    shim = launch("shim", ["shim", "--backend", "synthetic", "--model", "tiny", "--port", "0"],
+                  tmp_path, {"MICROSERVING_SHIM_CPU_LATENCY_US": "6"})
+    router = launch("router", ["router", "--model", "tiny", "--port", "0",
+                               "--engine", "127.0.0.1:9=both"],
+                    tmp_path, {"MICROSERVING_ROUTER_CPU_LATENCY_US": "7"})
+    try:
+        shim.wait_listening(120)
+        assert cpu_latency.current() == 6
+        router.wait_listening(120)
+        assert cpu_latency.current() == 6  # both held: the least is in force
+        stop_all([shim])
+        assert _until(lambda: cpu_latency.current() == 7)
+    finally:
+        stop_all([shim, router])
+    assert _until(lambda: cpu_latency.current() == before)
+
+
+_CANNOT_HOLD = """
+import sys
+from microserving import cpu_latency
+cpu_latency.PATH = sys.argv[1]  # a directory: what a service that may not write the device meets
+if sys.argv[2] == "gateway":
+    from gateway.cli import main
+elif sys.argv[2] == "router":
+    from router.cli import main
+else:
+    from engine_shim.cli import main
+raise SystemExit(main(sys.argv[3:]))
+"""
+
+
+@pytest.mark.parametrize("service, args", [
+    ("gateway", ["--port", "0", "--router", "127.0.0.1:9"]),
+    ("router", ["--port", "0", "--model", "tiny", "--engine", "127.0.0.1:9=both"]),
+    ("shim", ["--port", "0", "--backend", "synthetic", "--model", "tiny"]),
+])
+def test_a_service_that_cannot_hold_the_bound_says_why_and_does_not_start(
+    tmp_path: Path, service: str, args: list[str]
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _CANNOT_HOLD, str(tmp_path), service, *args, "--cpu-latency-us", "0"],
+        capture_output=True, text=True, timeout=120, env=clean_env(), cwd=REPO)
+    assert done.returncode == 1, done.stderr
+    assert f"microserving {service}: cannot hold a CPU latency bound of 0 us: {tmp_path}" in done.stderr
+    assert "listening" not in done.stdout
+
+
+def test_a_bound_out_of_range_is_refused_before_start() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "microserving.cli", "gateway", "--port", "0", "--cpu-latency-us", "-3"],
+        capture_output=True, text=True, timeout=120, env=clean_env(), cwd=REPO)
+    assert done.returncode == 2
+    assert "cpu_latency_us" in done.stderr and "listening" not in done.stdout
