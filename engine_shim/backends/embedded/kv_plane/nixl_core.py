@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 # The writes posted in one loop turn are checked together in a tight loop before the loop's
-# next turn (0.5 ms away when idle, a whole step away when busy) for this long plus their
+# next turn (0.1 ms away when idle, a whole step away when busy) for this long plus their
 # bytes at _SPIN_BYTES_PER_S: a copy on one host usually ends within it, and the receiver's
 # notification goes out only from a check of this side's agent once the copy has ended. One
 # window a turn, not one a write: a prefill step that computes 32 sends' KV posts 32 writes in
