@@ -22,9 +22,10 @@ from microserving import cpu_latency
 from router.settings import RouterSettings
 from tests.reliability.stack_procs import REPO, clean_env, launch, start_gateway, stop_all
 
-_CAN_HOLD = os.access(cpu_latency.PATH, os.W_OK)
+_CAN_HOLD = os.access(cpu_latency.PATH, os.W_OK) and cpu_latency.idle_driver() != "none"
 needs_qos = pytest.mark.skipif(
-    not _CAN_HOLD, reason=f"{cpu_latency.PATH} is not writable here (root on Linux holds it)")
+    not _CAN_HOLD, reason=f"{cpu_latency.PATH} is not writable here (root on Linux holds it), or "
+                          "no cpuidle driver reads it")
 
 
 def _host_bound() -> int:
@@ -52,6 +53,64 @@ def test_a_hold_is_the_kernels_bound_until_closed() -> None:
         with cpu_latency.CpuLatencyHold(5):  # the least of all held is the one in force
             assert cpu_latency.current() == 3
     assert cpu_latency.current() == before
+
+
+def _pollers_gone(pids: list[int]) -> bool:
+    """Every poller ended (reaped, or a zombie its holder has not reaped yet)."""
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0] != "Z":
+                return False
+        except OSError:
+            continue
+    return True
+
+
+def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cpuidle driver (the GPU hosts here): nothing reads the bound, so 0 is kept by one
+    idle-priority spinning process a CPU, and any other bound is refused."""
+    driver = tmp_path / "current_driver"
+    driver.write_text("none\n")
+    monkeypatch.setattr(cpu_latency, "IDLE_DRIVER", str(driver))
+    with pytest.raises(cpu_latency.CpuLatencyError, match="no cpuidle driver"):
+        cpu_latency.CpuLatencyHold(20)
+    cpus = sorted(os.sched_getaffinity(0))
+    held = cpu_latency.CpuLatencyHold(0, str(tmp_path / "never-opened"))
+    pids = held.poller_pids
+    try:
+        assert len(pids) == len(cpus)
+        assert _until(lambda: all(os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids))
+        assert sorted(min(os.sched_getaffinity(pid)) for pid in pids) == cpus  # one a CPU
+        assert all(len(os.sched_getaffinity(pid)) == 1 for pid in pids)
+    finally:
+        held.close()
+    assert _pollers_gone(pids)
+
+
+_HOLDER = """
+import sys, time
+from microserving import cpu_latency
+cpu_latency.IDLE_DRIVER = sys.argv[1]
+held = cpu_latency.CpuLatencyHold(0)
+print(" ".join(map(str, held.poller_pids)), flush=True)
+time.sleep(120)
+"""
+
+
+def test_idle_pollers_end_with_the_process_that_holds_them(tmp_path: Path) -> None:
+    driver = tmp_path / "current_driver"
+    driver.write_text("none\n")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(driver)], stdout=subprocess.PIPE,
+                              text=True, env=clean_env(), cwd=REPO)
+    try:
+        assert holder.stdout is not None
+        pids = [int(pid) for pid in holder.stdout.readline().split()]
+        assert pids and all(Path(f"/proc/{pid}").exists() for pid in pids)
+    finally:
+        holder.kill()  # no cleanup runs: the kernel's parent-death signal ends them
+        holder.wait()
+    assert _until(lambda: _pollers_gone(pids))
 
 
 def test_no_setting_holds_nothing() -> None:
