@@ -16,11 +16,11 @@ common="--backend embedded --model llama-1b --device cuda --input-len 256 --outp
 echo "== split $(date +%T)"
 timeout ${L_SPLIT_T:-290} python3 -m microserving.cli bench capacity $common --patterns round-robin disagg \
   --router-replicas 2 --out $R/split > $R/split.log 2>&1
-grep -h -E "^\| (round|disagg)" $R/split.log | cut -d'|' -f1-9,12-14
+grep -h -E "^\| (round|disagg)" $R/split.log
 grep -h -E "round 0 \[|yardstick" $R/split.log
 echo "== embed $(date +%T)"
 timeout ${L_EMBED_T:-170} python3 -m microserving.cli bench capacity $common --patterns round-robin \
   --embed-router --out $R/embed > $R/embed.log 2>&1
-grep -h -E "^\| (round|disagg)" $R/embed.log | cut -d'|' -f1-9,12-14
+grep -h -E "^\| (round|disagg)" $R/embed.log
 grep -h -E "round 0 \[|yardstick" $R/embed.log
 echo "== end $(date +%T)"
