@@ -122,11 +122,14 @@ class CpuLatencyHold:
 
 # One poller: pinned to its CPU, at SCHED_IDLE (it runs only when nothing else on that CPU
 # wants to, and any task that wakes there takes the CPU from it at once), killed with the
-# process that started it (PR_SET_PDEATHSIG, and a look at its parent between spins).
+# process that started it (PR_SET_PDEATHSIG, and a look at its parent between spins), named
+# `ms-idle-poll` in ps and top (PR_SET_NAME).
 _POLLER = """
 import ctypes, os, signal, sys
 cpu, parent = int(sys.argv[1]), int(sys.argv[2])
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)
+libc = ctypes.CDLL(None)
+libc.prctl(1, signal.SIGKILL)
+libc.prctl(15, b"ms-idle-poll")
 if os.getppid() != parent:
     sys.exit(0)
 os.sched_setaffinity(0, {cpu})
@@ -151,7 +154,9 @@ class IdlePollers:
                 self.processes.append(subprocess.Popen(
                     [sys.executable, "-S", "-c", _POLLER, str(cpu), str(os.getpid())],
                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                    close_fds=True))
+                    # A session of their own: not in the service's process group, whose CPU
+                    # `bench capacity` counts as the service's (run 30 counted them there).
+                    close_fds=True, start_new_session=True))
         except OSError as error:
             self.close()
             raise CpuLatencyError(f"cannot start the idle pollers: {error.strerror}") from None

@@ -83,6 +83,9 @@ def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path,
         assert _until(lambda: all(os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids))
         assert sorted(min(os.sched_getaffinity(pid)) for pid in pids) == cpus  # one a CPU
         assert all(len(os.sched_getaffinity(pid)) == 1 for pid in pids)
+        # named for ps, and not in this process's group (whose CPU is the service's)
+        assert all(Path(f"/proc/{pid}/comm").read_text().strip() == "ms-idle-poll" for pid in pids)
+        assert all(os.getpgid(pid) != os.getpgid(0) for pid in pids)
     finally:
         held.close()
     assert _pollers_gone(pids)
