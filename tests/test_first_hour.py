@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -60,6 +61,18 @@ def test_up_hands_router_class_and_prefix_cache_to_its_children() -> None:
     router_argv = microserving.stack.up.router_command(plan, [("127.0.0.1:1", "prefill")])
     assert router_argv[-2:] == ["--router-class", "my_router:MyRouter"]
     assert microserving.stack.up.shim_command(plan, "decode")[-2:] == ["--enable-prefix-cache", "false"]
+
+
+def test_up_has_the_gateway_hold_the_cpu_latency_bound() -> None:
+    """One holder a host: the gateway (or `serve`) process; routers and shims are not asked."""
+    plan = microserving.stack.up.plan_from_args(["--engines", "2", "--cpu-latency-us", "0"])
+    gateway = microserving.stack.up.gateway_command(plan, "127.0.0.1:1")
+    assert gateway[gateway.index("--cpu-latency-us") + 1] == "0"
+    assert "--cpu-latency-us" in microserving.stack.up.serve_command(plan, Path("router.yaml"))
+    assert "--cpu-latency-us" not in microserving.stack.up.router_command(plan, [("127.0.0.1:1", "both")])
+    assert "--cpu-latency-us" not in microserving.stack.up.shim_command(plan, "both")
+    plain = microserving.stack.up.plan_from_args(["--engines", "2"])
+    assert "--cpu-latency-us" not in microserving.stack.up.gateway_command(plain, "127.0.0.1:1")
 
 
 def test_up_gives_each_router_replica_and_shim_a_metrics_port_of_its_own() -> None:
