@@ -178,11 +178,19 @@ def idle_driver() -> str | None:
         return None
 
 
+# The holds of hold(): kept for the process's life (its exit lets the bound go and kills the
+# pollers), never collected.
+_HELD: list[CpuLatencyHold] = []
+
+
 def hold(us: int | None, path: str | None = None) -> CpuLatencyHold | None:
-    """The hold a service's `cpu_latency_us` setting asks for (None: none). Nothing closes
-    its descriptor but close() and the process's exit (no finalizer): a service that holds
-    the bound for its whole life need not keep the result."""
-    return None if us is None else CpuLatencyHold(us, path)
+    """Hold what a service's `cpu_latency_us` setting asks for (None: nothing) until the
+    process exits."""
+    if us is None:
+        return None
+    held = CpuLatencyHold(us, path)
+    _HELD.append(held)
+    return held
 
 
 def current(path: str | None = None) -> int:
