@@ -13,7 +13,8 @@ microseconds (0: it polls instead of halting). The bound is system-wide, it last
 file stays open (the process's life: the kernel drops it when the process exits, however it
 exits), and one holder a host is enough. Where the kernel runs no cpuidle driver nothing reads
 the bound; there a bound of 0 is kept by `IdlePollers` (one idle-priority spinning process a
-CPU, the userspace form of `idle=poll`), and any other bound is refused. Either way it costs
+CPU, the userspace form of `idle=poll`), and any other bound is refused, as are the pollers
+under a cgroup CPU quota (their time would count against it). Either way it costs
 what polling costs: idle CPUs stay busy from the host's point of view. Opening the file needs
 root (or a device node made writable for the service); a service asked to hold a bound it
 cannot hold fails at start with the reason rather than run without it (`CpuLatencyError`).
@@ -40,6 +41,10 @@ PATH = "/dev/cpu_dma_latency"
 # Which cpuidle driver the kernel runs ("none": the idle loop halts the CPU without asking
 # any governor, and so without reading the bound: the GPU hosts here, run 29).
 IDLE_DRIVER = "/sys/devices/system/cpu/cpuidle/current_driver"
+# Where this process's cgroups are named and mounted: idle pollers are refused under a CPU
+# quota, which their time would count against (throttling the service they are for).
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
 # The largest bound the kernel takes (PM_QOS_RESUME_LATENCY_NO_CONSTRAINT is above it).
 MAX_US = 2_000_000_000
 
@@ -79,6 +84,13 @@ class CpuLatencyHold:
                     f"this host's kernel runs no cpuidle driver ({IDLE_DRIVER}: none), so nothing "
                     f"honours a CPU latency bound of {us} us; only 0 can be kept here (by idle "
                     "pollers, one a CPU)")
+            quota = cpu_quota()
+            if quota is not None:
+                raise CpuLatencyError(
+                    f"this host's kernel runs no cpuidle driver, so a bound of 0 needs idle "
+                    f"pollers, and this process runs under a CPU quota ({quota}) that their time "
+                    "would count against, throttling the service; lift the quota or leave the "
+                    "setting unset")
             self._pollers = IdlePollers(sorted(os.sched_getaffinity(0)))
             logger.info("CPU latency bound 0 us: no cpuidle driver, %d idle pollers",
                         len(self._pollers.processes))
@@ -167,6 +179,38 @@ class IdlePollers:
         for process in self.processes:
             process.wait()
         self.processes = []
+
+
+def cpu_quota() -> str | None:
+    """This process's cgroup CPU quota as the kernel states it (cgroup v2 `cpu.max`, or v1
+    `cpu.cfs_quota_us` and its period), or None where it has none (or none can be read)."""
+    try:
+        with open(PROC_CGROUP) as file:
+            lines = file.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        relative = path.lstrip("/")
+        if hierarchy == "0" and not controllers:  # v2: one unified hierarchy
+            text = _read(os.path.join(CGROUP_ROOT, relative, "cpu.max"))
+            if text is not None and text.split()[0] != "max":
+                return f"cpu.max {text}"
+        elif "cpu" in controllers.split(","):  # v1: the cpu controller's own hierarchy
+            base = os.path.join(CGROUP_ROOT, controllers, relative)
+            quota = _read(os.path.join(base, "cpu.cfs_quota_us"))
+            if quota is not None and int(quota) > 0:
+                return f"cpu.cfs_quota_us {quota} per {_read(os.path.join(base, 'cpu.cfs_period_us'))}"
+    return None
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as file:
+            return file.read().strip()
+    except OSError:
+        return None
 
 
 def idle_driver() -> str | None:

@@ -91,6 +91,36 @@ def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path,
     assert _pollers_gone(pids)
 
 
+def test_idle_pollers_are_refused_under_a_cpu_quota(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Their time would count against the quota and throttle the service: refused, with the
+    quota named; a cgroup without one (v2 `max`, v1 -1) starts them."""
+    driver = tmp_path / "current_driver"
+    driver.write_text("none\n")
+    monkeypatch.setattr(cpu_latency, "IDLE_DRIVER", str(driver))
+    proc_cgroup = tmp_path / "cgroup"
+    monkeypatch.setattr(cpu_latency, "PROC_CGROUP", str(proc_cgroup))
+    monkeypatch.setattr(cpu_latency, "CGROUP_ROOT", str(tmp_path / "fs"))
+    v2 = tmp_path / "fs" / "pod" / "gateway"
+    v2.mkdir(parents=True)
+    proc_cgroup.write_text("0::/pod/gateway\n")
+    (v2 / "cpu.max").write_text("200000 100000\n")
+    with pytest.raises(cpu_latency.CpuLatencyError, match=r"CPU quota \(cpu.max 200000 100000\)"):
+        cpu_latency.CpuLatencyHold(0)
+    v1 = tmp_path / "fs" / "cpu,cpuacct" / "box"
+    v1.mkdir(parents=True)
+    proc_cgroup.write_text("4:memory:/box\n3:cpu,cpuacct:/box\n0::/\n")
+    (v1 / "cpu.cfs_quota_us").write_text("50000\n")
+    (v1 / "cpu.cfs_period_us").write_text("100000\n")
+    with pytest.raises(cpu_latency.CpuLatencyError, match="cpu.cfs_quota_us 50000 per 100000"):
+        cpu_latency.CpuLatencyHold(0)
+    (v1 / "cpu.cfs_quota_us").write_text("-1\n")
+    (v2 / "cpu.max").write_text("max 100000\n")
+    assert cpu_latency.cpu_quota() is None
+    with cpu_latency.CpuLatencyHold(0) as held:
+        assert held.poller_pids
+
+
 _HOLDER = """
 import sys, time
 from microserving import cpu_latency
