@@ -11,6 +11,8 @@ import importlib.metadata
 import importlib.util
 import sys
 
+from microserving.grpc_io import prefer_legacy_io
+
 # subcommand -> (module, one-line help)
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "shim": ("engine_shim.cli", "run a gRPC engine shim (embedded or MLC backend)"),
@@ -70,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     if missing is not None:
         print(f"microserving {name}: {missing}", file=sys.stderr)
         return 2
+    prefer_legacy_io()  # before any gRPC: microserving/grpc_io.py
     module = importlib.import_module(SUBCOMMANDS[name][0])
     result = module.main(rest)
     return int(result or 0)
