@@ -6,9 +6,10 @@ processes over a bidi stream (grpc.aio on uvloop, the development VM, medians of
 runs alternating): 151-237 us back to back and 205-409 us after a 2 ms pause with EventEngine,
 83-101 us and 136-254 us without it (plain asyncio TCP: 18-24 us), and in `bench capacity`,
 every stack process with one or the other, taking turns (docs/throughput.md, "gRPC's I/O
-stack"): one stream's first token round-robin +3.60 -> +3.11 ms and disagg +5.65 -> +4.60 ms,
-the control plane's CPU per 1,000 tokens at one stream 550 -> 405 ms, at 64 streams
-round-robin 26.7 -> 24.5 ms and disagg 32.7-33.9 -> 27.1-28.3 ms.
+stack"): at one stream, in every round, the first token round-robin +3.60 -> +3.11 ms and
+disagg +5.65 -> +4.60 ms, the control plane's CPU per 1,000 tokens about 550 -> 405 ms; at 64
+streams no difference beyond the VM's spread (disagg over five rounds each: 0.78-0.87 of
+nominal without EventEngine, 0.78-0.85 with it).
 
 `microserving <service>` sets this default before gRPC starts; a `GRPC_EXPERIMENTS` already in
 the environment wins (`GRPC_EXPERIMENTS=event_engine_client,event_engine_listener` keeps
