@@ -147,10 +147,7 @@ def main(argv: list[str]) -> int:
         return 2
     configure_logging(settings.log_level)
     tracing.configure("shim")
-    try:
-        cpu_latency.hold(settings.cpu_latency_us)  # held until the process exits
-    except cpu_latency.CpuLatencyError as error:
-        print(f"microserving shim: {error}", file=sys.stderr)
+    if not cpu_latency.hold_for_service(settings.cpu_latency_us, "microserving shim"):  # until the exit
         return 1
     if settings.tune_malloc:
         tune_for_large_buffers()

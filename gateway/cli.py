@@ -112,10 +112,7 @@ def serve(settings: GatewaySettings, build_app: Callable[[], FastAPI], worker_fa
     `settings.workers` processes that each build theirs with `worker_factory` (an import path
     that uvicorn calls, reading the settings from the environment)."""
     configure_logging(settings.log_level)
-    try:
-        cpu_latency.hold(settings.cpu_latency_us)  # held until the process exits
-    except cpu_latency.CpuLatencyError as error:
-        print(f"microserving gateway: {error}", file=sys.stderr)
+    if not cpu_latency.hold_for_service(settings.cpu_latency_us, "microserving gateway"):  # until the exit
         return 1
     own_sockets = settings.workers > 1 and settings.reuse_port and reuse_port_balances()
     try:

@@ -215,11 +215,7 @@ def _read(path: str) -> str | None:
 
 def idle_driver() -> str | None:
     """The kernel's cpuidle driver ("none" where it runs none), or None where it says nothing."""
-    try:
-        with open(IDLE_DRIVER) as file:
-            return file.read().strip()
-    except OSError:
-        return None
+    return _read(IDLE_DRIVER)
 
 
 # The holds of hold(): kept for the process's life (its exit lets the bound go and kills the
@@ -235,6 +231,17 @@ def hold(us: int | None, path: str | None = None) -> CpuLatencyHold | None:
     held = CpuLatencyHold(us, path)
     _HELD.append(held)
     return held
+
+
+def hold_for_service(us: int | None, prog: str) -> bool:
+    """A service's start: hold what its setting asks for (hold()), or say on stderr why it
+    cannot (`prog: reason`) and return False, so the service exits before it serves."""
+    try:
+        hold(us)
+    except CpuLatencyError as error:
+        print(f"{prog}: {error}", file=sys.stderr)
+        return False
+    return True
 
 
 def current(path: str | None = None) -> int:

@@ -95,10 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"microserving router: {exc}", file=sys.stderr)
         return 2
-    try:
-        cpu_latency.hold(settings.cpu_latency_us)  # held until the process exits
-    except cpu_latency.CpuLatencyError as exc:
-        print(f"microserving router: {exc}", file=sys.stderr)
+    if not cpu_latency.hold_for_service(settings.cpu_latency_us, "microserving router"):  # until the exit
         return 1
     with contextlib.suppress(KeyboardInterrupt):
         loop_runner(settings.event_loop)(serve_forever(router, settings.host, settings.port))

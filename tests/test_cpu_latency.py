@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,7 +18,7 @@ from engine_shim.settings import ShimSettings
 from gateway.settings import GatewaySettings
 from microserving import cpu_latency
 from router.settings import RouterSettings
-from tests.reliability.stack_procs import REPO, clean_env, launch, start_gateway, stop_all
+from tests.reliability.stack_procs import REPO, clean_env, launch, start_gateway, stop_all, until
 
 _CAN_HOLD = os.access(cpu_latency.PATH, os.W_OK) and cpu_latency.idle_driver() != "none"
 needs_qos = pytest.mark.skipif(
@@ -33,15 +31,6 @@ def _host_bound() -> int:
     if bound <= 10:
         pytest.skip(f"another process holds a CPU latency bound of {bound} us on this host")
     return bound
-
-
-def _until(condition: Callable[[], bool], timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return condition()
 
 
 @needs_qos
@@ -66,13 +55,24 @@ def _pollers_gone(pids: list[int]) -> bool:
     return True
 
 
-def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """No cpuidle driver (the GPU hosts here): nothing reads the bound, so 0 is kept by one
-    idle-priority spinning process a CPU, and any other bound is refused."""
+@pytest.fixture()
+def no_idle_driver(tmp_path: Path) -> Path:
+    """A `current_driver` file that says the kernel runs no cpuidle driver."""
     driver = tmp_path / "current_driver"
     driver.write_text("none\n")
-    monkeypatch.setattr(cpu_latency, "IDLE_DRIVER", str(driver))
+    return driver
+
+
+@pytest.fixture()
+def without_idle_driver(no_idle_driver: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process reads `no_idle_driver` as the kernel's (the GPU hosts here)."""
+    monkeypatch.setattr(cpu_latency, "IDLE_DRIVER", str(no_idle_driver))
+
+
+@pytest.mark.usefixtures("without_idle_driver")
+def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path) -> None:
+    """No cpuidle driver (the GPU hosts here): nothing reads the bound, so 0 is kept by one
+    idle-priority spinning process a CPU, and any other bound is refused."""
     with pytest.raises(cpu_latency.CpuLatencyError, match="no cpuidle driver"):
         cpu_latency.CpuLatencyHold(20)
     cpus = sorted(os.sched_getaffinity(0))
@@ -80,7 +80,7 @@ def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path,
     pids = held.poller_pids
     try:
         assert len(pids) == len(cpus)
-        assert _until(lambda: all(os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids))
+        assert until(lambda: all(os.sched_getscheduler(pid) == os.SCHED_IDLE for pid in pids), 30)
         assert sorted(min(os.sched_getaffinity(pid)) for pid in pids) == cpus  # one a CPU
         assert all(len(os.sched_getaffinity(pid)) == 1 for pid in pids)
         # named for ps, and not in this process's group (whose CPU is the service's)
@@ -91,13 +91,11 @@ def test_without_a_cpuidle_driver_idle_pollers_keep_0(tmp_path: Path,
     assert _pollers_gone(pids)
 
 
+@pytest.mark.usefixtures("without_idle_driver")
 def test_idle_pollers_are_refused_under_a_cpu_quota(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     """Their time would count against the quota and throttle the service: refused, with the
     quota named; a cgroup without one (v2 `max`, v1 -1) starts them."""
-    driver = tmp_path / "current_driver"
-    driver.write_text("none\n")
-    monkeypatch.setattr(cpu_latency, "IDLE_DRIVER", str(driver))
     proc_cgroup = tmp_path / "cgroup"
     monkeypatch.setattr(cpu_latency, "PROC_CGROUP", str(proc_cgroup))
     monkeypatch.setattr(cpu_latency, "CGROUP_ROOT", str(tmp_path / "fs"))
@@ -131,10 +129,8 @@ time.sleep(120)
 """
 
 
-def test_idle_pollers_end_with_the_process_that_holds_them(tmp_path: Path) -> None:
-    driver = tmp_path / "current_driver"
-    driver.write_text("none\n")
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(driver)], stdout=subprocess.PIPE,
+def test_idle_pollers_end_with_the_process_that_holds_them(no_idle_driver: Path) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(no_idle_driver)], stdout=subprocess.PIPE,
                               text=True, env=clean_env(), cwd=REPO)
     try:
         assert holder.stdout is not None
@@ -143,7 +139,7 @@ def test_idle_pollers_end_with_the_process_that_holds_them(tmp_path: Path) -> No
     finally:
         holder.kill()  # no cleanup runs: the kernel's parent-death signal ends them
         holder.wait()
-    assert _until(lambda: _pollers_gone(pids))
+    assert until(lambda: _pollers_gone(pids), 30)
 
 
 def test_no_setting_holds_nothing() -> None:
@@ -181,7 +177,7 @@ def test_the_gateway_holds_the_bound_while_it_runs(tmp_path: Path) -> None:
         assert cpu_latency.current() == 4
     finally:
         stop_all([gateway])
-    assert _until(lambda: cpu_latency.current() == before)  # the kernel let it go with the process
+    assert until(lambda: cpu_latency.current() == before, 30)  # the kernel let it go with the process
 
 
 @needs_qos
@@ -199,10 +195,10 @@ def test_the_router_and_the_shim_hold_it_from_the_environment(tmp_path: Path) ->
         router.wait_listening(120)
         assert cpu_latency.current() == 6  # both held: the least is in force
         stop_all([shim])
-        assert _until(lambda: cpu_latency.current() == 7)
+        assert until(lambda: cpu_latency.current() == 7, 30)
     finally:
         stop_all([shim, router])
-    assert _until(lambda: cpu_latency.current() == before)
+    assert until(lambda: cpu_latency.current() == before, 30)
 
 
 _CANNOT_HOLD = """

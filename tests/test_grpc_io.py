@@ -7,30 +7,29 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from microserving import grpc_io
-from tests.reliability.stack_procs import REPO, clean_env, launch, stop_all, wait_listening
+from tests.reliability.stack_procs import (
+    REPO,
+    clean_env,
+    launch,
+    stop_all,
+    until,
+    wait_listening,
+    worker_pids,
+)
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc")
 
 
-def _worker_environ(pid: int, timeout_s: float = 60.0) -> dict[str, str]:
+def _worker_environ(pid: int) -> dict[str, str]:
     """The environment one of the gateway's worker processes started with."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
-            try:
-                if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                    raw = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-                    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
-            except OSError:
-                continue  # gone meanwhile
-        time.sleep(0.05)
-    raise AssertionError("no worker process came up")
+    assert until(lambda: bool(worker_pids(pid))), "no worker process came up"
+    raw = Path(f"/proc/{worker_pids(pid)[0]}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
 
 @pytest.mark.e2e

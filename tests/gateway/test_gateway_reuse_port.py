@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.reliability.stack_procs import Service, launch, wait_listening
+from tests.reliability.stack_procs import Service, launch, until, wait_listening, worker_pids
 
 pytestmark = [pytest.mark.e2e,
               pytest.mark.skipif(sys.platform != "linux", reason="SO_REUSEPORT balances on Linux")]
@@ -26,19 +26,6 @@ WORKERS = 4
 CONNECTIONS = 48
 # Nothing listens here: /metrics needs no router.
 NO_ROUTER = "127.0.0.1:9"
-
-
-def _children(pid: int) -> list[int]:
-    """The gateway's worker processes (not multiprocessing's resource tracker)."""
-    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
-    workers = []
-    for child in (int(p) for p in text.split()):
-        try:
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                workers.append(child)
-        except OSError:
-            continue  # gone meanwhile
-    return workers
 
 
 def _accepted_inodes(port: int) -> set[str]:
@@ -67,15 +54,6 @@ def _held_by(pid: int, inodes: set[str]) -> int:
 def _get_metrics(sock: socket.socket) -> bytes:
     sock.sendall(b"GET /metrics HTTP/1.1\r\nHost: gateway\r\n\r\n")
     return sock.recv(64)
-
-
-def _until(condition, timeout_s: float = 60.0) -> bool:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 @contextlib.contextmanager
@@ -108,8 +86,8 @@ def _connections(port: int, count: int) -> Iterator[list[socket.socket]]:
 
 
 def test_a_burst_of_connections_spreads_over_every_worker(gateway: Service) -> None:
-    assert _until(lambda: len(_children(gateway.process.pid)) == WORKERS)
-    workers = _children(gateway.process.pid)
+    assert until(lambda: len(worker_pids(gateway.process.pid)) == WORKERS)
+    workers = worker_pids(gateway.process.pid)
     # Every connection served (accepted and answered) before counting who holds it.
     with _connections(gateway.port, CONNECTIONS):
         inodes = _accepted_inodes(gateway.port)
@@ -121,18 +99,18 @@ def test_a_burst_of_connections_spreads_over_every_worker(gateway: Service) -> N
 
 
 def test_a_dead_worker_is_replaced_and_sigterm_stops_them_all(gateway: Service) -> None:
-    workers = _children(gateway.process.pid)
+    workers = worker_pids(gateway.process.pid)
     os.kill(workers[0], signal.SIGKILL)
-    assert _until(lambda: len(set(_children(gateway.process.pid)) - set(workers)) == 1
-                  and len(_children(gateway.process.pid)) == WORKERS)
+    assert until(lambda: len(set(worker_pids(gateway.process.pid)) - set(workers)) == 1
+                  and len(worker_pids(gateway.process.pid)) == WORKERS)
     # The new worker listens too: every connection of a burst is answered.
     with _connections(gateway.port, 16):
         pass
     assert "worker 0 exited" in gateway.log()
-    children = _children(gateway.process.pid)
+    children = worker_pids(gateway.process.pid)
     gateway.process.send_signal(signal.SIGTERM)
     assert gateway.process.wait(timeout=30) == 0
-    assert _until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15)
+    assert until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in children), 15)
 
 
 def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
@@ -140,13 +118,13 @@ def test_a_hung_worker_is_replaced(tmp_path: Path) -> None:
     replaced after --worker-hang-timeout-s; the others are left alone."""
     with _gateway(tmp_path, 2, "--worker-hang-timeout-s", "3") as service:
         # Started: each worker's loop has answered a ping before any can count as hung.
-        assert _until(lambda: len(_children(service.process.pid)) == 2)
+        assert until(lambda: len(worker_pids(service.process.pid)) == 2)
         time.sleep(2)
-        hung, other = _children(service.process.pid)
+        hung, other = worker_pids(service.process.pid)
         os.kill(hung, signal.SIGSTOP)
-        assert _until(lambda: hung not in _children(service.process.pid)
-                      and len(_children(service.process.pid)) == 2, timeout_s=60)
-        assert other in _children(service.process.pid)
+        assert until(lambda: hung not in worker_pids(service.process.pid)
+                      and len(worker_pids(service.process.pid)) == 2, timeout_s=60)
+        assert other in worker_pids(service.process.pid)
         assert re.search(r"worker \d did not answer for 3 s; replacing it", service.log())
         with _connections(service.port, 8):
             pass

@@ -122,6 +122,30 @@ async def engine_health(router_address: str) -> dict[str, int]:
     return {engine.address: engine.health for engine in status.engines}
 
 
+def until(condition: Callable[[], bool], timeout_s: float = 60.0) -> bool:
+    """Whether `condition()` held within `timeout_s` (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def worker_pids(pid: int) -> list[int]:
+    """The worker processes a gateway (or anything else) started with multiprocessing's spawn,
+    not its resource tracker (Linux: /proc)."""
+    text = Path(f"/proc/{pid}/task/{pid}/children").read_text()
+    workers = []
+    for child in (int(p) for p in text.split()):
+        try:
+            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                workers.append(child)
+        except OSError:
+            continue  # gone meanwhile
+    return workers
+
+
 async def wait_until(predicate: Callable[[], Awaitable[bool]], timeout_s: float = 20.0,
                      interval_s: float = 0.05) -> float | None:
     """Seconds until `predicate()` held, or None if it never did within `timeout_s`."""
