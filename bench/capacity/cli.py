@@ -4,7 +4,7 @@ plane relays, measured on a CPU machine.
 Starts gateway + router + synthetic shims (a BENCHMARK-ONLY backend that keeps a measured GPU
 step-time schedule) as real processes, drives round-robin (one engine) and disagg (1P:1D) with
 closed-loop streams through the gateway's OpenAI API, and writes DIR/capacity.json plus a
-table: client tok/s against what the schedule allows, the first-token time added over the
+table at the end (and each cell to DIR/cells.jsonl as it ends): client tok/s against what the schedule allows, the first-token time added over the
 schedule's own, ITL p99, and each process's CPU ms per 1,000 relayed tokens (from /proc;
 the synthetic engine thread, which stands for the GPU engine, taken out).
 
@@ -237,6 +237,7 @@ async def _pattern_rows(group: ServiceGroup, pattern: str, args: argparse.Namesp
                         await asyncio.to_thread(profiler.wait)
                     rounds[(streams, client_processes, value)].append(cell)
                     _progress(pattern, streams, round_index, cell, client_processes, value)
+                    _keep_cell(args.out, pattern, streams, round_index, cell, client_processes, value)
                     if spec.duration_s is not None:
                         await asyncio.sleep(_SETTLE_S)
             if value is not None:  # the next value gets a stack of its own
@@ -295,14 +296,29 @@ def _with_staggered(row: dict[str, Any],
 
 def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any],
               client_processes: int = 1, value: str | None = None) -> None:
+    """One line a cell as it ends, with the figures a run cut short would otherwise lose (the
+    table and the JSON are written at the end): tokens/s, ratio, added first token, CPU."""
     clients = "" if client_processes == 1 else f" ({client_processes} client processes)"
     clients += "" if value is None else f" [{value}]"
+    added = cell.get("ttft_added_p50_ms")
+    first = "" if added is None else f"first token {added:+.2f} ms, "
     print(f"  {pattern:<12} streams {streams:>4} round {round_index}{clients}: "
-          f"{cell['client_tok_s']:,.0f} tok/s (ratio {cell['ratio']:.2f}), "
+          f"{cell['client_tok_s']:,.0f} tok/s (ratio {cell['ratio']:.2f}), {first}"
           f"CPU {cell['cpu_ms_per_1k_tokens']['total'] or 0:.1f} ms per 1k tokens, "
           f"{cell['num_errors']} errors", file=sys.stderr, flush=True)
     for name, steps in (cell.get("engine_steps") or {}).items():
         print(f"    {name}: {_steps_text(steps)}", file=sys.stderr, flush=True)
+
+
+def _keep_cell(out: Path, pattern: str, streams: int, round_index: int, cell: dict[str, Any],
+               client_processes: int, value: str | None) -> None:
+    """Append the cell to DIR/cells.jsonl as it ends: capacity.json and the table come only
+    at the end of the run, and a run cut short (a device call's time limit) keeps every cell
+    it finished."""
+    entry = {"pattern": pattern, "streams": streams, "round": round_index,
+             "client_processes": client_processes, "ab_value": value, **cell}
+    with (out / "cells.jsonl").open("a", encoding="utf-8") as cells:
+        cells.write(json.dumps(entry) + "\n")
 
 
 def _steps_text(steps: dict[str, Any] | None) -> str:
@@ -330,6 +346,7 @@ def main(argv: list[str]) -> int:
         parser.error("--backend embedded counts tokens from usage: give --requests or "
                      "--requests-per-stream")
     args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "cells.jsonl").unlink(missing_ok=True)  # this run's cells only
     try:
         result = asyncio.run(run(args))
     except (RuntimeError, TimeoutError, ValueError) as error:

@@ -35,6 +35,9 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
     assert (tmp_path / "table.md").read_text().startswith("| pattern | streams |")
     rows = {(r["pattern"], r["streams"]): r for r in report["rows"]}
     assert set(rows) == {(p, s) for p in ("round-robin", "disagg") for s in TOY_STREAMS}
+    # Every cell as it was measured, one JSON line each, written as the run went.
+    cells = [json.loads(line) for line in (tmp_path / "cells.jsonl").read_text().splitlines()]
+    assert len(cells) == len(rows)
     for (pattern, _), row in rows.items():
         assert row["client_processes"] == 1
         assert row["num_errors"] == 0, row["errors"]
@@ -45,6 +48,16 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
         assert 0 < row["ratio"] <= 1.05
         assert row["client_tok_s"] == pytest.approx(row["ratio"] * row["nominal_tok_s"])
         assert math.isfinite(row["ttft_added_p50_ms"]) and row["itl_p99_ms"] > 0
+        # Each cell's line on stderr carries its first token as it ends (a run cut short
+        # before the table keeps it): one round, so the row's median is that cell's figure.
+        lines = [line for line in done.stderr.splitlines()
+                 if line.split()[:3] == [pattern, "streams", str(row["streams"])]]
+        assert len(lines) == report["config"]["rounds"] == 1, lines
+        assert f"first token {row['ttft_added_p50_ms']:+.2f} ms, CPU " in lines[0], lines[0]
+        kept = [cell for cell in cells if (cell["pattern"], cell["streams"]) == (pattern, row["streams"])]
+        assert len(kept) == 1 and kept[0]["round"] == 0 and kept[0]["ab_value"] is None
+        assert kept[0]["ttft_added_p50_ms"] == row["ttft_added_p50_ms"]
+        assert kept[0]["client_tok_s"] == row["client_tok_s"]
         assert 1 <= row["tokens_per_chunk"] <= TOY_OUTPUT_LEN
         shims = {"round-robin": {"shim-both"}, "disagg": {"shim-prefill", "shim-decode"}}[pattern]
         cpu = row["cpu_ms_per_1k_tokens"]
