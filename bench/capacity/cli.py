@@ -4,9 +4,10 @@ plane relays, measured on a CPU machine.
 Starts gateway + router + synthetic shims (a BENCHMARK-ONLY backend that keeps a measured GPU
 step-time schedule) as real processes, drives round-robin (one engine) and disagg (1P:1D) with
 closed-loop streams through the gateway's OpenAI API, and writes DIR/capacity.json plus a
-table at the end (and each cell to DIR/cells.jsonl as it ends): client tok/s against what the schedule allows, the first-token time added over the
-schedule's own, ITL p99, and each process's CPU ms per 1,000 relayed tokens (from /proc;
-the synthetic engine thread, which stands for the GPU engine, taken out).
+table at the end (and each cell to DIR/cells.jsonl as it ends): client tok/s against what
+the schedule allows, the first-token time added over the schedule's own, ITL p99, and each
+process's CPU ms per 1,000 relayed tokens (from /proc; the synthetic engine thread, which
+stands for the GPU engine, taken out).
 
     microserving bench capacity --out runs/capacity
     microserving bench capacity --toy --out /tmp/cap         # seconds, for CI
