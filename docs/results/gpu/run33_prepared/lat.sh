@@ -4,11 +4,12 @@
 # 1. `bench capacity` at one stream, two rounds, the engine alone before each round's cells:
 #    the split stack (round-robin and disagg), then round-robin with the router in the gateway.
 # 2. The same tree with temporary timestamps at every hop and now also the KV handshake's
-#    (stamps.patch, _stamp.py: CLOCK_MONOTONIC, one file per process; not committed to the
-#    code), one round, split stack, round-robin and disagg, and an2.py's per-request timeline.
+#    (stamps.patch here, ../run25_prepared/_stamp.py: CLOCK_MONOTONIC, one file per process;
+#    not committed to the code), one round, split stack, round-robin and disagg, and run 25's
+#    an2.py's per-request timeline.
 # The stamped tree is expected at $S (a copy of this tree with stamps.patch applied).
 # Logs go straight to $OUT (a call cut short still returns them). Usage: bash lat.sh "$OUT" S
-O=$1; S=$2; mkdir -p "$O"; H=$(cd "$(dirname "$0")" && pwd)
+O=$1; S=$2; mkdir -p "$O"; H=$(cd "$(dirname "$0")/../run25_prepared" && pwd)
 export PYTHONPATH=$PWD:/tmp/site MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384 MICROSERVING_GATEWAY_CPU_LATENCY_US=0
 common="--backend embedded --model llama-1b --device cuda --input-len 256 --output-len 256
   --requests-per-stream 30 --min-requests 30 --alone-each-round --streams 1 --gateway-workers 4"

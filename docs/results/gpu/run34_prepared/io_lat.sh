@@ -10,10 +10,10 @@
 #    30's configuration.
 # 2. Where disagg's first token goes now: the same stack (iomgr, the bound) on the tree with
 #    temporary timestamps at every hop and the KV handshake's (run33_prepared/stamps.patch,
-#    _stamp.py; not committed to the code), one stream, and an2.py's per-request timeline.
+#    run25_prepared/_stamp.py; not committed to the code), one stream, and an2.py's per-request timeline.
 #    The stamped tree is expected at $S.
 # Logs go straight to $OUT (a call cut short still returns them). Usage: bash io_lat.sh "$OUT" S
-O=$1; S=$2; mkdir -p "$O"; H=$(cd "$(dirname "$0")/../run33_prepared" && pwd)
+O=$1; S=$2; mkdir -p "$O"; H=$(cd "$(dirname "$0")/../run25_prepared" && pwd)
 export PYTHONPATH=$PWD:/tmp/site MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384 MICROSERVING_GATEWAY_CPU_LATENCY_US=0
 nproc > $O/machine.txt; nvidia-smi -L >> $O/machine.txt 2>&1; cat /sys/devices/system/cpu/cpuidle/current_driver >> $O/machine.txt 2>&1
 ee=event_engine_dns,event_engine_client,event_engine_listener
