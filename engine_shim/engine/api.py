@@ -145,6 +145,9 @@ class GenerateOutput:
 # as much, inside the process that sets the engine's pace); the shim unpacks them.
 PackedDelta = tuple[int, tuple[int, ...], str, tuple[TokenLogprob, ...], "FinishReason | None"]
 PackedOutput = tuple[str, tuple[PackedDelta, ...], Usage | None]
+# How a choice whose first output tokens another engine sampled goes on (start_generate's
+# `continuations`): its index, those tokens, its generator state after them (b"": greedy).
+Continuation = tuple[int, tuple[int, ...], bytes]
 
 
 def unpack_output(packed: PackedOutput) -> GenerateOutput:

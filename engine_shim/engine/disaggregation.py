@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 
@@ -62,7 +62,19 @@ class StartFailed:
     error: Exception
 
 
-EngineEvent = GenerateOutput | SendReady | SendFailed | StartFailed
+@dataclass(frozen=True)
+class FirstTokens:
+    """A send job that samples (remote_send's `first`) drew each choice's first token: its
+    output as a generate request's would be (packed where the core packs outputs), and each
+    choice's generator state after the draw (empty for greedy sampling), for the engine
+    that continues it (start_generate's `continuations`)."""
+
+    request_id: str
+    output: GenerateOutput | tuple[Any, ...]
+    sampler_states: tuple[bytes, ...]
+
+
+EngineEvent = GenerateOutput | SendReady | SendFailed | StartFailed | FirstTokens
 
 
 @dataclass(eq=False)

@@ -23,6 +23,7 @@ from microserving.tokenizer import Tokenizer
 from . import validation
 from .api import (
     AlreadyExistsError,
+    Continuation,
     EngineStatus,
     FinishReason,
     GenerateOutput,
@@ -41,7 +42,7 @@ from .api import (
 from .block_manager import BlockManager, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
 from .cuda_graphs import Feed
-from .disaggregation import Disaggregation, EngineEvent, SendFailed, SendReady
+from .disaggregation import Disaggregation, EngineEvent, FirstTokens, SendFailed, SendReady
 from .kv_cache import KVCache
 from .kv_waits import KVWaits
 from .model_runner import ModelRunner, RunResult
@@ -53,9 +54,12 @@ from .request import (
     finish_choice,
     fork_sequence,
     new_choice,
+    replay_tokens,
+    restore_sampler_state,
+    sampler_state,
     take_output,
 )
-from .sampler import SampledToken, is_plain_greedy, sample
+from .sampler import SampledToken, is_greedy, is_plain_greedy, sample
 from .scheduler import ScheduledSeq, Scheduler, SchedulerOutput
 from .sequence import SeqKind, SeqStatus, Sequence
 from .weights import DTYPES, build_model, model_fingerprint
@@ -107,6 +111,10 @@ class LLMEngine:
         )
         self.disaggregation = Disaggregation(config, self.block_manager, self.kv_cache, self.kv_layout)
         self._requests: dict[str, GenerateRequest] = {}
+        # Send jobs that sample the request's first tokens (remote_send's `first`): the job's
+        # sequence and the request whose choices sample, until the job's last position's
+        # logits are in.
+        self._first_samples: dict[str, tuple[Sequence, GenerateRequest]] = {}
         self._events: list[EngineEvent | PackedOutput] = []
         self._kv_waits = KVWaits(lambda event: self._events.append(event))  # starts waiting for their reservation's KV
         # A core in a process of its own sends its outputs as plain tuples (api.PackedOutput):
@@ -178,23 +186,27 @@ class LLMEngine:
 
     def start_generate(
         self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams,
-        after_kv: bool = False,
+        after_kv: bool = False, continuations: SequenceT[Continuation] = (),
     ) -> None:
         """Start generating from prompt[begin:]. `after_kv`: the request's reservation is
         still receiving its KV; the start waits here and runs in the turn the KV completes
         (finish_kv_write, or import_kv's last position), and fails (a StartFailed event) if
-        the reservation ends first (kv_waits.py)."""
+        the reservation ends first (kv_waits.py). `continuations`: the output began on the
+        engine that sent the KV (remote_send's `first`): per choice, in index order, (index,
+        output tokens so far, generator state); each choice goes on from prompt + its tokens."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b = validation.check_start_generate_begin(begin, len(ids))
         max_tokens = validation.check_sampling(
             sampling, self.vocab_size, self.max_context_length, len(ids)
         )
+        validation.check_continuations(continuations, sampling.n, self.vocab_size)
         if self._is_generating_or_sending(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(len(ids) + 1)
+        self._check_fits_pool(len(ids) + 1 + max((len(c[1]) for c in continuations), default=0))
         if after_kv and not self.disaggregation.is_filled(request_id, ids, b):
-            self._kv_waits.wait(request_id, lambda: self.start_generate(request_id, ids, b, sampling))
+            self._kv_waits.wait(
+                request_id, lambda: self.start_generate(request_id, ids, b, sampling, continuations=continuations))
             return
         reservation = self.disaggregation.take_reservation(request_id, ids, b)
         seq = self._new_seq(request_id, ids, len(ids), SeqKind.GENERATE)
@@ -213,10 +225,47 @@ class LLMEngine:
             max_tokens=max_tokens,
             num_prompt_tokens=len(ids),
             stop_token_ids=self._stop_token_ids(sampling),
-            choices=[self._new_choice(0, seq, sampling)],
+            choices=[] if continuations else [self._new_choice(0, seq, sampling)],
         )
         self._requests[request_id] = request
+        if continuations:
+            self._continue(request, seq, continuations)
+            return
         self.scheduler.add(seq)
+
+    def _continue(self, request: GenerateRequest, seq: Sequence, continuations: SequenceT[Continuation]) -> None:
+        """Every choice of the request from its continuation: the first choice that goes on
+        takes `seq` (the reservation's pages), the others share its computed pages (or compute
+        the prompt again where no page is free for the copy); choices that ended with the
+        sender's tokens hold none. All ended: the request ends here, its pages freed."""
+        request.is_forked = True  # its choices are all here; the first sample forks none
+        holder: Sequence | None = None
+        for index, token_ids, state in continuations:
+            child = seq if holder is None else fork_sequence(holder, self._next_seq_id_now(), index)
+            del child.token_ids[request.num_prompt_tokens:]
+            child.choice_index = index
+            choice = self._new_choice(index, child, request.sampling)
+            if state:
+                restore_sampler_state(choice, state)
+            request.choices.append(choice)
+            replay_tokens(request, choice, tuple(token_ids), self.tokenizer)
+            if choice.is_finished:
+                if child is seq:  # not yet a holder: a fresh sequence takes its place
+                    choice.seq = Sequence(seq.seq_id, seq.request_id, list(child.token_ids),
+                                          seq.num_prompt_tokens, status=SeqStatus.FINISHED)
+                    seq.token_ids = seq.token_ids[:request.num_prompt_tokens]
+                else:
+                    child.status = SeqStatus.FINISHED
+                continue
+            if holder is None:
+                holder = seq
+            elif not self._share_pages(holder, child):
+                child.num_computed_tokens = 0  # no page for the copy: compute the prompt here
+            self.scheduler.add(child)
+        if holder is None:  # every choice ended with the sender's tokens
+            self.scheduler.release(seq)
+            seq.status = SeqStatus.FINISHED
+            self._emit(request)
 
     # ---- abort ----
     def abort(self, request_id: str) -> bool:
@@ -233,6 +282,7 @@ class LLMEngine:
             output = take_output(request, self.packs_outputs, ended=True)
             assert output is not None  # an ended request always has its last output
             self._events.append(output)
+        self._first_samples.pop(request_id, None)
         job = self.disaggregation.pop_send(request_id)
         if job is not None:
             found = True
@@ -346,19 +396,37 @@ class LLMEngine:
 
     # ---- MicroServing: sending (remote_send, then export) ----
     def remote_send(
-        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = ""
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = "",
+        first: SamplingParams | None = None,
     ) -> None:
         """Start computing KV of prompt[:end]; a SendReady event says [begin, end) can be
-        exported with export_kv; release it with abort() once exported."""
+        exported with export_kv; release it with abort() once exported. `first`: the job
+        computes the whole prompt and samples the first token of each of `first`'s choices
+        from its last position, as a generate request would; a FirstTokens event carries
+        them (after the SendReady, which does not wait for them)."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b, e = validation.check_remote_send_window(begin, end, len(ids))
+        max_tokens = 0
+        if first is not None:
+            max_tokens = validation.check_sampling(first, self.vocab_size, self.max_context_length, len(ids))
         if self._is_generating_or_sending(request_id):
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self._check_fits_pool(e)
-        seq = self._new_seq(request_id, ids[:e], e, SeqKind.SEND)
+        computed = e if first is None else len(ids)
+        self._check_fits_pool(computed)
+        seq = self._new_seq(request_id, ids[:computed], computed, SeqKind.SEND)
         seq.is_disaggregated = True
         seq.cache_salt = validation.check_cache_salt(cache_salt)
+        if first is not None:
+            seq.samples_last = True
+            request = GenerateRequest(
+                request_id=request_id, sampling=first, max_tokens=max_tokens, num_prompt_tokens=len(ids),
+                stop_token_ids=self._stop_token_ids(first), choices=[], is_forked=True,
+            )
+            for index in range(first.n):  # each choice's own sequence, never scheduled
+                choice_seq = Sequence(seq.seq_id, request_id, list(ids), len(ids), status=SeqStatus.FINISHED)
+                request.choices.append(self._new_choice(index, choice_seq, first))
+            self._first_samples[request_id] = (seq, request)
         self.disaggregation.add_send(seq, b, e)
         self.scheduler.add(seq)
 
@@ -450,9 +518,7 @@ class LLMEngine:
             self._collect(launched)
 
     def _launch(self, batch: list[ScheduledSeq]) -> _Launched:
-        needs_logits = [
-            s.seq.kind is SeqKind.GENERATE and s.num_tokens == s.seq.num_pending_tokens for s in batch
-        ]
+        needs_logits = [s.seq.needs_logits_after and s.num_tokens == s.seq.num_pending_tokens for s in batch]
         # asynchronous on CUDA; a pure decode step keeps its argmax on the device to feed a
         # chained step
         result = self.runner.run(batch, needs_logits, keep_argmax=self.chain_decode)
@@ -513,18 +579,27 @@ class LLMEngine:
         text of, every request that got a token."""
         batch, result = launched.batch, launched.result
         rows: list[tuple[int, GenerateRequest, Sequence]] = []
+        firsts: list[tuple[int, GenerateRequest, Sequence]] = []
         for row, index in enumerate(result.sampled_index):
             seq = batch[index].seq
+            if seq.kind is SeqKind.SEND:  # a send job that samples the first tokens
+                held = self._first_samples.get(seq.request_id)
+                if held is not None and held[0] is seq:  # not aborted since the launch
+                    firsts.append((row, held[1], seq))
+                continue
             request = self._requests.get(seq.request_id)
             # Aborted (or aborted and started again under its id) since the launch.
             if request is None or seq.is_finished or request.choices[seq.choice_index].seq is not seq:
                 continue
             rows.append((row, request, seq))
         plain = [True] * len(result.sampled_index)
-        for row, request, _ in rows:
+        for row, request, _ in (*rows, *firsts):
             plain[row] = is_plain_greedy(request.sampling)
         result.prepare(plain)
-        self.num_sampled_tokens += len(rows)
+        self.num_sampled_tokens += len(rows) + len(firsts)
+        for row, request, seq in firsts:
+            del self._first_samples[request.request_id]
+            self._sample_first(request, seq, result, row)
         touched: dict[str, GenerateRequest] = {}
         for row, request, seq in rows:
             touched[request.request_id] = request
@@ -597,6 +672,25 @@ class LLMEngine:
         if choice.is_finished:
             self._drop_seq(seq)
 
+    def _sample_first(self, request: GenerateRequest, job: Sequence, result: RunResult, row: int) -> None:
+        """A sampling send job's first tokens: each choice draws from the prompt's last
+        position with its own generator, as a generate request's first step does."""
+        greedy = result.greedy_token(row)
+        logits = result.host_logits(row) if greedy is None else None
+        states: list[bytes] = []
+        for choice in request.choices:
+            if logits is None:
+                sampled = SampledToken(greedy if greedy is not None else 0)
+            else:
+                sampled = sample(logits, request.sampling, (), choice.generator)
+            choice.seq.num_cached_tokens = job.num_cached_tokens
+            choice.seq.token_ids.append(sampled.token_id)
+            add_token(request, choice, sampled, self.tokenizer)
+            states.append(b"" if is_greedy(request.sampling) else sampler_state(choice))
+        output = take_output(request, self.packs_outputs)
+        assert output is not None  # every choice has a token
+        self._events.append(FirstTokens(request.request_id, output, tuple(states)))
+
     def _emit(self, request: GenerateRequest) -> None:
         output = take_output(request, self.packs_outputs)
         if output is not None:
@@ -608,6 +702,7 @@ class LLMEngine:
         seq.block_table = []  # the scheduler released the pages
         if seq.kind is SeqKind.SEND:
             self.disaggregation.pop_send(seq.request_id)
+            self._first_samples.pop(seq.request_id, None)
             self._events.append(SendFailed(seq.request_id, PreemptedError("remote_send preempted")))
             return
         request = self._requests[seq.request_id]
@@ -629,6 +724,7 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         if seq.kind is SeqKind.SEND:
             self.disaggregation.pop_send(seq.request_id)
+            self._first_samples.pop(seq.request_id, None)
             self._events.append(SendFailed(seq.request_id, ResourceExhaustedError("KV pool too small")))
             return
         request = self._requests[seq.request_id]

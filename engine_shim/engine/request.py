@@ -18,6 +18,7 @@ from microserving.tokenizer import IncrementalDecoder, Tokenizer
 from .api import (
     FinishReason,
     GenerateOutput,
+    InvalidRequestError,
     PackedDelta,
     PackedOutput,
     SamplingParams,
@@ -172,6 +173,31 @@ def feed_deferred_text(choice: Choice) -> None:
     if choice.needs_flush:
         choice.text += choice.decoder.flush()
         choice.needs_flush = False
+
+
+def replay_tokens(request: GenerateRequest, choice: Choice, token_ids: tuple[int, ...], tokenizer: Tokenizer) -> None:
+    """A choice continues output another engine began (its first tokens, sampled there): the
+    tokens go through add_token as if sampled here (appended to its sequence, decoded, checked
+    for a finish), and what they produced counts as sent, so the deltas from here on are the
+    ones the engine that began would have produced next."""
+    for token_id in token_ids:
+        choice.seq.token_ids.append(token_id)
+        add_token(request, choice, SampledToken(token_id), tokenizer)
+        if choice.is_finished:
+            break
+    take_delta_fields(choice, request.sampling.stop)
+
+
+def sampler_state(choice: Choice) -> bytes:
+    """The choice's generator state, for the engine that continues it."""
+    return bytes(choice.generator.get_state().numpy().tobytes())
+
+
+def restore_sampler_state(choice: Choice, state: bytes) -> None:
+    try:
+        choice.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+    except (RuntimeError, ValueError) as error:
+        raise InvalidRequestError(f"continuation {choice.index}: sampler_state is not this engine's ({error})") from None
 
 
 def finish_choice(choice: Choice, reason: FinishReason) -> None:

@@ -125,8 +125,12 @@ class Scheduler:
         steps would. Held up to `prefill_hold_s` from the oldest one's arrival, they share
         one such step. Never held: when nothing decodes (an idle engine answers at once),
         when this step prefills anyway, when a full chunk of prompt tokens waits, or for a
-        sequence whose KV came from elsewhere (one pending token: a decode)."""
-        if not self.prefill_hold_s or not out.scheduled or self.waiting[0].num_pending_tokens <= 1:
+        sequence whose KV came from elsewhere (one pending token, or two for a continuation:
+        a decode)."""
+        first = self.waiting[0]
+        # A continuation (its first output tokens came from the engine that computed the
+        # prompt) computes the prompt's last position and its token: a decode too.
+        if not self.prefill_hold_s or not out.scheduled or first.num_pending_tokens <= first.num_output_tokens + 1:
             return False
         if any(item.num_tokens > 1 for item in out.scheduled):
             return False

@@ -35,6 +35,9 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens whose KV was a prefix-cache hit here
     num_transferred_tokens: int = 0  # prompt tokens whose KV another engine sent
     cache_salt: str = ""  # the prefix-cache scope of its pages (SamplingParams.cache_salt)
+    # A send job that also samples the request's first tokens (remote_send's `first`): it
+    # computes its whole prompt, the last position included, for its logits.
+    samples_last: bool = False
     is_admitted_once: bool = False
     status: SeqStatus = SeqStatus.WAITING
     waiting_since_s: float = 0.0  # when the scheduler queued it (its clock)
@@ -58,8 +61,13 @@ class Sequence:
     @property
     def max_prefix_match_tokens(self) -> int:
         # A generate sequence must compute at least its last token to get logits; a send job
-        # may take its whole window from the cache.
-        return self.num_tokens if self.kind is SeqKind.SEND else self.num_tokens - 1
+        # may take its whole window from the cache, unless it samples.
+        return self.num_tokens if self.kind is SeqKind.SEND and not self.samples_last else self.num_tokens - 1
+
+    @property
+    def needs_logits_after(self) -> bool:
+        """Whether the step that computes its last pending token samples from it."""
+        return self.kind is SeqKind.GENERATE or self.samples_last
 
     @property
     def is_finished(self) -> bool:

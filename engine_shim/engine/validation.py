@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from .api import InvalidRequestError, SamplingParams
+from .api import Continuation, InvalidRequestError, SamplingParams
 
 MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
@@ -105,6 +105,24 @@ def check_sampling_values(params: SamplingParams, vocab_size: int) -> None:
         raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]")
     _check_stops(params, vocab_size)
     _check_logit_bias(params, vocab_size)
+
+
+def check_continuations(continuations: Sequence[Continuation], n: int, vocab_size: int) -> None:
+    """None, or one per choice in index order, each with at least one token of the
+    vocabulary."""
+    if not continuations:
+        return
+    if len(continuations) != n:
+        raise InvalidRequestError(f"continuations: {len(continuations)} given for n={n} choices")
+    for position, (index, token_ids, state) in enumerate(continuations):
+        if index != position:
+            raise InvalidRequestError(f"continuations must be in index order: {index} at {position}")
+        if not token_ids:
+            raise InvalidRequestError(f"continuation {index} has no token")
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in token_ids):
+            raise InvalidRequestError(f"continuation {index}: token id outside the vocabulary")
+        if not isinstance(state, bytes):
+            raise InvalidRequestError(f"continuation {index}: sampler_state must be bytes")
 
 
 def check_context_length(

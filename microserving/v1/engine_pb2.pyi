@@ -129,6 +129,7 @@ class RemoteSendRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     KV_ADDR_FOLLOWS_FIELD_NUMBER: _builtins.int
+    SAMPLE_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Id of the request (the same as the receiver's PrepRecv)."""
     begin: _builtins.int
@@ -154,6 +155,17 @@ class RemoteSendRequest(_message.Message):
     `cancel` cover the wait. Only on Engine.Generate, only engines whose status has
     `takes_kv_addr_later`; others refuse it (INVALID_ARGUMENT).
     """
+    sample_first_token: _builtins.bool
+    """Sample the first token of each of `sampling`'s n choices here, as the engine that ran
+    the whole request would: the engine computes the whole prompt (not only the window; the
+    window alone is sent) and, once its last position's logits are in, outputs the first
+    tokens (GenerateOutput.choices, with their text and logprobs, and `usage` when every
+    choice ended there) and what a receiver needs to continue them
+    (GenerateOutput.continuations), before the call's result. The client gets its first
+    token without waiting for the KV transfer or the receiver's first step; the receiver
+    continues with StartGenerateRequest.continuations. Only on Engine.Generate, only engines
+    whose status has `samples_first_token`; others refuse it (INVALID_ARGUMENT).
+    """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The whole prompt as token ids."""
@@ -174,14 +186,51 @@ class RemoteSendRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         traceparent: _builtins.str = ...,
         kv_addr_follows: _builtins.bool = ...,
+        sample_first_token: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "kv_addr_follows", b"kv_addr_follows", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["begin", b"begin", "end", b"end", "kv_addr_follows", b"kv_addr_follows", "kv_addr_info", b"kv_addr_info", "recv_rank", b"recv_rank", "request_id", b"request_id", "sample_first_token", b"sample_first_token", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___RemoteSendRequest: _TypeAlias = RemoteSendRequest  # noqa: Y015
+
+@_typing.final
+class ChoiceContinuation(_message.Message):
+    """How a choice whose first output tokens another engine sampled continues (RemoteSendRequest
+    .sample_first_token): the tokens and the state of its sampler after drawing them.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    SAMPLER_STATE_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """The choice's index in [0, n)."""
+    sampler_state: _builtins.bytes
+    """The choice's random generator state after those draws (engine-specific bytes, passed on
+    unchanged); empty for greedy sampling, which draws nothing.
+    """
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The output tokens sampled so far, in order."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        sampler_state: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "sampler_state", b"sampler_state", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChoiceContinuation: _TypeAlias = ChoiceContinuation  # noqa: Y015
 
 @_typing.final
 class RemoteSendTarget(_message.Message):
@@ -261,6 +310,7 @@ class StartGenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
     AFTER_KV_TRANSFER_FIELD_NUMBER: _builtins.int
+    CONTINUATIONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Id of the request (the same as PrepRecv's, when there was one)."""
     begin: _builtins.int
@@ -290,6 +340,15 @@ class StartGenerateRequest(_message.Message):
     def sampling(self) -> _common_pb2.SamplingParams:
         """How to sample."""
 
+    @_builtins.property
+    def continuations(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChoiceContinuation]:
+        """The request's output began on another engine (a RemoteSend with sample_first_token):
+        one entry per choice, in index order; each choice continues from prompt + its tokens,
+        which count as output (max_tokens, penalties, stop strings, usage) and are not output
+        again. `begin` is at most len(token_ids) - 1: the positions from `begin` on are computed
+        here with the choices' tokens. Only engines whose status has `samples_first_token`.
+        """
+
     def __init__(
         self,
         *,
@@ -299,10 +358,11 @@ class StartGenerateRequest(_message.Message):
         sampling: _common_pb2.SamplingParams | None = ...,
         traceparent: _builtins.str = ...,
         after_kv_transfer: _builtins.bool = ...,
+        continuations: _abc.Iterable[Global___ChoiceContinuation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_kv_transfer", b"after_kv_transfer", "begin", b"begin", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_kv_transfer", b"after_kv_transfer", "begin", b"begin", "continuations", b"continuations", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -491,6 +551,7 @@ class GenerateOutput(_message.Message):
     ERROR_FIELD_NUMBER: _builtins.int
     PREP_RECV_FIELD_NUMBER: _builtins.int
     REMOTE_SEND_FIELD_NUMBER: _builtins.int
+    CONTINUATIONS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request this output belongs to."""
     @_builtins.property
@@ -515,6 +576,12 @@ class GenerateOutput(_message.Message):
     def remote_send(self) -> Global___RemoteSendResponse:
         """The result of a `remote_send` made on the stream (its only output)."""
 
+    @_builtins.property
+    def continuations(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChoiceContinuation]:
+        """A RemoteSend made with sample_first_token: how each choice continues elsewhere, on the
+        output that carries its first tokens (`choices`), before the output with the result.
+        """
+
     def __init__(
         self,
         *,
@@ -524,10 +591,11 @@ class GenerateOutput(_message.Message):
         error: Global___GenerateError | None = ...,
         prep_recv: Global___PrepRecvResponse | None = ...,
         remote_send: Global___RemoteSendResponse | None = ...,
+        continuations: _abc.Iterable[Global___ChoiceContinuation] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "error", b"error", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "continuations", b"continuations", "error", b"error", "prep_recv", b"prep_recv", "remote_send", b"remote_send", "request_id", b"request_id", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -733,6 +801,7 @@ class GetStatusResponse(_message.Message):
     STARTS_AFTER_KV_TRANSFER_FIELD_NUMBER: _builtins.int
     TAKES_KV_ADDR_LATER_FIELD_NUMBER: _builtins.int
     TAKES_BATCHED_ACTIONS_FIELD_NUMBER: _builtins.int
+    SAMPLES_FIRST_TOKEN_FIELD_NUMBER: _builtins.int
     model_id: _builtins.str
     """Model id as clients name it (e.g. "tiny" or the model directory's name)."""
     num_running_requests: _builtins.int
@@ -765,6 +834,10 @@ class GetStatusResponse(_message.Message):
     """RemoteSendRequest.kv_addr_follows is served on Engine.Generate (with `send_to`)."""
     takes_batched_actions: _builtins.bool
     """EngineGenerateRequest.batch is served on Engine.Generate."""
+    samples_first_token: _builtins.bool
+    """RemoteSendRequest.sample_first_token (on Engine.Generate) and
+    StartGenerateRequest.continuations are served.
+    """
     @_builtins.property
     def kv_layout(self) -> Global___KVLayout:
         """The KV layout, including the model fingerprint."""
@@ -797,10 +870,11 @@ class GetStatusResponse(_message.Message):
         starts_after_kv_transfer: _builtins.bool = ...,
         takes_kv_addr_later: _builtins.bool = ...,
         takes_batched_actions: _builtins.bool = ...,
+        samples_first_token: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["kv_layout", b"kv_layout", "prefix_cache", b"prefix_cache"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer", "takes_batched_actions", b"takes_batched_actions", "takes_kv_addr_later", b"takes_kv_addr_later"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["backend", b"backend", "device", b"device", "is_draining", b"is_draining", "kv_layout", b"kv_layout", "max_context_length", b"max_context_length", "model_id", b"model_id", "num_free_kv_pages", b"num_free_kv_pages", "num_reserved_requests", b"num_reserved_requests", "num_running_requests", b"num_running_requests", "num_total_kv_pages", b"num_total_kv_pages", "num_waiting_requests", b"num_waiting_requests", "prefix_cache", b"prefix_cache", "roles", b"roles", "samples_first_token", b"samples_first_token", "serves_stream_calls", b"serves_stream_calls", "starts_after_kv_transfer", b"starts_after_kv_transfer", "takes_batched_actions", b"takes_batched_actions", "takes_kv_addr_later", b"takes_kv_addr_later"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
