@@ -4,12 +4,20 @@ and the shim-level results it returns. The servicer validates before calling any
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 from grpc import aio
 
-from engine_shim.engine.api import EngineStatus, GenerateOutput, KVLayout, SamplingParams
+from engine_shim.engine.api import (
+    Continuation,
+    EngineStatus,
+    GenerateOutput,
+    KVLayout,
+    OnFirst,
+    SamplingParams,
+)
 
 # Told when a KV push into a reservation begins (True) and ends (False): the shim's request
 # tracker holds its view of the reservation alike.
@@ -30,6 +38,15 @@ class BackendInfo:
     starts_after_kv: bool = False
     # remote_send_later is served: a send may start before its receiver is known
     takes_kv_addr_later: bool = False
+    # sampling_first and generate's continuations are served
+    samples_first_token: bool = False
+
+
+class FirstDelivery(Protocol):
+    async def delivered(self) -> None:
+        """After the send's result: its first tokens went to `on_first` before it, or this
+        raises (the send sampled nothing)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -107,19 +124,30 @@ class Backend(Protocol):
         `info.takes_kv_addr_later`."""
         ...
 
+    def sampling_first(
+        self, request_id: str, sampling: SamplingParams, on_first: OnFirst
+    ) -> AbstractContextManager[FirstDelivery]:
+        """Around a remote_send / remote_send_later of `request_id`: the send also samples the
+        request's first tokens with `sampling` and hands them to `on_first` as they come
+        (RemoteSendRequest.sample_first_token). Only where `info.samples_first_token`."""
+        ...
+
     def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        after_kv: bool = False,
+        after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         """Stream outputs; closing the iterator early aborts the request. `after_kv`
         (StartGenerateRequest.after_kv_transfer, only where `info.starts_after_kv`): the
         request starts once the KV transfer into its PrepRecv reservation has completed, and
-        fails FAILED_PRECONDITION if the reservation ends without it."""
+        fails FAILED_PRECONDITION if the reservation ends without it. `continuations`
+        (StartGenerateRequest.continuations, only where `info.samples_first_token`): the
+        choices go on from the first tokens the sender sampled."""
         ...
 
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
+        continuations: Sequence[Continuation] = (),
     ) -> None:
         """`generate` with each output handed to `on_output` as it comes (the multiplexed
         Engine.Generate path); returns once the request finished, raises when it failed.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from engine_shim.backend import SendResult
 from engine_shim.engine.api import (
+    Continuation,
     Delta,
     EngineStatus,
     FinishReason,
@@ -104,6 +105,21 @@ def add_generate_output(
     message.choices.extend([delta_to_pb(d) for d in output.deltas])
     if output.usage is not None:
         message.usage.CopyFrom(usage_to_pb(output.usage))
+
+
+def add_first_tokens(entry: engine_pb2.GenerateOutput, output: GenerateOutput, states: tuple[bytes, ...]) -> None:
+    """A send's first tokens (RemoteSendRequest.sample_first_token) into its entry of an
+    Engine.Generate batch: the deltas (and usage, if every choice ended) and how each choice
+    continues on the receiver."""
+    add_generate_output(entry, output)
+    entry.continuations.extend([
+        engine_pb2.ChoiceContinuation(index=d.index, token_ids=d.token_ids, sampler_state=state)
+        for d, state in zip(output.deltas, states, strict=True)
+    ])
+
+
+def continuations_from_pb(request: engine_pb2.StartGenerateRequest) -> tuple[Continuation, ...]:
+    return tuple((c.index, tuple(c.token_ids), c.sampler_state) for c in request.continuations)
 
 
 def layout_to_pb(layout: KVLayout) -> engine_pb2.KVLayout:

@@ -16,7 +16,8 @@ when it had ended: the caller's Abort travels on a call of its own and could ove
 call's message), and a stream that breaks aborts the calls it cut off. A RemoteSend made with
 kv_addr_follows runs from its message on; the `send_to` that names its receiver reaches it
 through a future (dropped when no such send waits), and one still waiting when the caller
-half-closes fails INVALID_ARGUMENT. A call costs
+half-closes fails INVALID_ARGUMENT. A RemoteSend made with sample_first_token has one output
+more, before its result: its first tokens, written at once. A call costs
 the caller a message each way on a stream it already has, not a call (HTTP/2 stream, task,
 metadata) each.
 """
@@ -32,8 +33,8 @@ from typing import Any, Protocol
 import grpc
 from google.protobuf.message import Message
 
-from engine_shim.convert import add_generate_output
-from engine_shim.engine.api import EngineError, GenerateOutput, InvalidRequestError
+from engine_shim.convert import add_first_tokens, add_generate_output
+from engine_shim.engine.api import EngineError, GenerateOutput, InvalidRequestError, OnFirst
 from engine_shim.errors import status_code_for
 from microserving import tracing
 from microserving.multiplex import Batcher
@@ -58,9 +59,10 @@ class StreamCalls(Protocol):
 
     async def remote_send(
         self, request: engine_pb2.RemoteSendRequest, traceparent: str,
-        target: Awaitable[engine_pb2.RemoteSendTarget] | None = None,
+        target: Awaitable[engine_pb2.RemoteSendTarget] | None = None, on_first: OnFirst | None = None,
     ) -> engine_pb2.RemoteSendResponse:
-        """`target`: where the `send_to` of a send made with kv_addr_follows arrives."""
+        """`target`: where the `send_to` of a send made with kv_addr_follows arrives;
+        `on_first`: where the first tokens of a send made with sample_first_token go."""
         ...
 
     async def abort(self, request_id: str) -> bool:
@@ -179,6 +181,8 @@ class GenerateMultiplexer:
         if isinstance(request, engine_pb2.RemoteSendRequest) and request.kv_addr_follows:
             target = asyncio.get_running_loop().create_future()
             run = functools.partial(run, target=target)
+        if isinstance(request, engine_pb2.RemoteSendRequest) and request.sample_first_token:
+            run = functools.partial(run, on_first=functools.partial(self._on_first, request.request_id))
         if self._begin(request.request_id, self._run_call(action, run, request, target), is_call=True) \
                 and target is not None:
             self._targets[request.request_id] = target
@@ -243,6 +247,14 @@ class GenerateMultiplexer:
         add_generate_output(entry, output)
         if output.is_finished:
             self._out.seal(request_id)  # a later request under the id gets an entry of its own
+
+    def _on_first(self, request_id: str, output: GenerateOutput, states: tuple[bytes, ...]) -> None:
+        """A RemoteSend's first tokens (sample_first_token): an output of their own, at once,
+        before the call's result (which goes into the same entry if it is still queued)."""
+        if request_id not in self._tasks:
+            return  # cancelled meanwhile
+        entry, _ = self._out.keyed(request_id, urgent=True, request_id=request_id)
+        add_first_tokens(entry, output, states)
 
     async def _run(self, start: engine_pb2.StartGenerateRequest) -> None:
         request_id = start.request_id

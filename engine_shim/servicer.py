@@ -3,6 +3,7 @@ purpose; errors are mapped once by `map_errors`."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any
 
@@ -11,14 +12,17 @@ from grpc import aio
 from engine_shim import validation
 from engine_shim.backend import Backend, SendTarget
 from engine_shim.convert import (
+    continuations_from_pb,
     generate_output_to_pb,
     sampling_from_pb,
     send_result_to_pb,
     status_to_pb,
 )
 from engine_shim.engine.api import (
+    Continuation,
     GenerateOutput,
     InvalidRequestError,
+    OnFirst,
     SamplingParams,
     UnavailableError,
 )
@@ -98,18 +102,22 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     async def remote_send(
         self, request: engine_pb2.RemoteSendRequest, traceparent: str,
-        target: Awaitable[engine_pb2.RemoteSendTarget] | None = None,
+        target: Awaitable[engine_pb2.RemoteSendTarget] | None = None, on_first: OnFirst | None = None,
     ) -> engine_pb2.RemoteSendResponse:
         """RemoteSend, as a unary call or on an Engine.Generate stream (GenerateMultiplexer);
-        `target`: where the stream's `send_to` for a send made with kv_addr_follows arrives."""
+        `target`: where the stream's `send_to` for a send made with kv_addr_follows arrives;
+        `on_first`: where the first tokens of a send made with sample_first_token go."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin, end = validation.remote_send_window(request.begin, request.end, len(tokens))
         later = self._checked_follows(request, target, begin, end) if request.kv_addr_follows else None
         if later is None:
             validation.check_kv_addr_info(request.kv_addr_info)
+        first = self._checked_first(on_first) if request.sample_first_token else None
         self._tracker.begin_remote_send(request.request_id)
         try:
-            with _span("shim.remote_send", request.request_id, traceparent):
+            with _span("shim.remote_send", request.request_id, traceparent), \
+                    (contextlib.nullcontext() if first is None else
+                     self._backend.sampling_first(request.request_id, sampling, first)) as delivery:
                 if later is None:
                     result = await self._backend.remote_send(
                         request.request_id, tokens, begin, end, request.kv_addr_info,
@@ -118,9 +126,21 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
                 else:
                     result = await self._backend.remote_send_later(
                         request.request_id, tokens, begin, end, sampling, later)
+                if delivery is not None:
+                    await delivery.delivered()  # the first tokens go out before the result
         finally:
             self._tracker.end_remote_send(request.request_id)
         return send_result_to_pb(result)
+
+    def _checked_first(self, on_first: OnFirst | None) -> OnFirst:
+        if on_first is None:
+            raise InvalidRequestError(
+                "sample_first_token is served on Engine.Generate only (the first tokens are an "
+                "output of their own there, before the result)")
+        if not self._backend.info.samples_first_token:
+            raise InvalidRequestError(
+                f"sample_first_token: the {self._backend.info.name} backend does not sample on the sending side")
+        return on_first
 
     def _checked_follows(
         self, request: engine_pb2.RemoteSendRequest,
@@ -172,11 +192,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin = validation.start_generate_begin(request.begin, len(tokens))
         self._check_after_kv(request)
+        continuations = self._checked_continuations(request)
         self._tracker.begin_generate(request.request_id, begin)
         try:
             with _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)):
                 await self._backend.run_generate(request.request_id, tokens, begin, sampling, on_output,
-                                                 after_kv=request.after_kv_transfer)
+                                                 after_kv=request.after_kv_transfer, continuations=continuations)
         finally:
             self._tracker.end_generate(request.request_id)
 
@@ -188,11 +209,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
         begin = validation.start_generate_begin(request.begin, len(tokens))
         self._check_after_kv(request)
+        continuations = self._checked_continuations(request)
         self._tracker.begin_generate(request.request_id, begin)
         span = _span("shim.generate", request.request_id, tracing.valid_traceparent(request.traceparent)).start()
         try:
             outputs = self._backend.generate(request.request_id, tokens, begin, sampling,
-                                             after_kv=request.after_kv_transfer)
+                                             after_kv=request.after_kv_transfer, continuations=continuations)
             try:
                 async for output in outputs:
                     yield output
@@ -201,6 +223,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         finally:
             span.end()
             self._tracker.end_generate(request.request_id)
+
+    def _checked_continuations(self, request: engine_pb2.StartGenerateRequest) -> tuple[Continuation, ...]:
+        if request.continuations and not self._backend.info.samples_first_token:
+            raise InvalidRequestError(
+                f"continuations: the {self._backend.info.name} backend cannot continue another engine's choices")
+        return continuations_from_pb(request)
 
     def _check_after_kv(self, request: engine_pb2.StartGenerateRequest) -> None:
         if request.after_kv_transfer and not self._backend.info.starts_after_kv:
@@ -238,6 +266,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         response.serves_stream_calls = True  # Generate below takes prep_recv and remote_send
         response.starts_after_kv_transfer = info.starts_after_kv
         response.takes_kv_addr_later = info.takes_kv_addr_later
+        response.samples_first_token = info.samples_first_token
         response.takes_batched_actions = True  # Generate below takes EngineGenerateRequest.batch
         return response
 

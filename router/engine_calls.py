@@ -81,10 +81,11 @@ async def remote_send(
 async def _remote_send(
     engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt,
     message: engine_pb2.RemoteSendRequest, stream: EngineStream | None, receiver: str | None,
-    sent_from: Callable[[], int],
+    sent_from: Callable[[], int], on_first: Callable[[engine_pb2.GenerateOutput], None] | None = None,
 ) -> None:
     """The RemoteSend call, on `stream` or unary; `sent_from()`: where the window it moved
-    began (for the transfer metrics)."""
+    began (for the transfer metrics); `on_first`: the output with its first tokens (a send
+    made with sample_first_token, on a stream)."""
     attempt.touch(endpoint.address)
     started_s = time.perf_counter()
     timeout_s = engines.settings.remote_send_timeout_s
@@ -96,7 +97,7 @@ async def _remote_send(
             else:
                 message.traceparent = span.traceparent
                 await stream.call(job.request_id, engine_pb2.EngineGenerateRequest(remote_send=message),
-                                  timeout_s)
+                                  timeout_s, on_first)
     except grpc.aio.AioRpcError as exc:
         at_fault = receiver if receiver is not None and _blames_receiver(exc) else endpoint.address
         raise engines.call_failed(exc, at_fault, "remote_send") from exc
@@ -115,26 +116,46 @@ def sends_ahead(engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: A
         engines.stream(endpoint).takes_calls(job.request_id)
 
 
+def samples_first(engines: Engines, prefill: Endpoint, decode: Endpoint, attempt: Attempt) -> bool:
+    """Whether P samples the first token (RemoteSendRequest.sample_first_token, D going on
+    with StartGenerateRequest.continuations): the setting allows it, D's start can go with
+    the send (starts_after_kv: on D's stream, after_kv_transfer served) and both engines say
+    they serve it."""
+    if not engines.settings.first_token_on_prefill or not starts_after_kv(engines, decode, attempt):
+        return False
+    return all(e.status is not None and e.status.samples_first_token for e in (prefill, decode))
+
+
 class SendAhead:
     """A RemoteSend made before its receiver is known (RemoteSendRequest.kv_addr_follows):
     the sender computes the prompt's KV while the router makes the receiver's PrepRecv; `to`
     names the receiver (a `send_to` on the sender's stream, after the send's own message),
-    `result` waits for the send's end, `cancel` undoes it on the sender."""
+    `result` waits for the send's end, `cancel` undoes it on the sender. With
+    `sample_first`, the sender also samples the first tokens: `first` resolves to the output
+    that carries them."""
 
     def __init__(self, engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt,
-                 *, end: int, receiver: str) -> None:
+                 *, end: int, receiver: str, sample_first: bool = False) -> None:
         self._stream = engines.stream(endpoint)
         self._request_id = job.request_id
         self._begin = 0
         message = engine_pb2.RemoteSendRequest(
             request_id=job.request_id, token_ids=job.token_ids, begin=0, end=end,
-            sampling=job.sampling, kv_addr_follows=True,
+            sampling=job.sampling, kv_addr_follows=True, sample_first_token=sample_first,
         )
+        self.first: asyncio.Future[engine_pb2.GenerateOutput] = asyncio.get_running_loop().create_future()
+        self._metrics, self._address = engines.metrics, endpoint.address
         # Made now, its message is queued on the stream before anything the PrepRecv's answer
         # leads to (the send_to), which comes at least a round trip later.
         self._task = asyncio.ensure_future(_remote_send(
-            engines, endpoint, job, attempt, message, self._stream, receiver, lambda: self._begin))
+            engines, endpoint, job, attempt, message, self._stream, receiver, lambda: self._begin,
+            self._on_first if sample_first else None))
         self._task.add_done_callback(_retrieve)  # a send dropped unawaited (cancel) logs nothing
+
+    def _on_first(self, output: engine_pb2.GenerateOutput) -> None:
+        if not self.first.done():
+            self._metrics.first_tokens_from_prefill.labels(self._address).inc()
+            self.first.set_result(output)
 
     def to(self, kv_addr_info: bytes, begin: int, recv_rank: int) -> None:
         self._begin = begin
@@ -226,6 +247,20 @@ def decode_after(
     message = _start_message(endpoint, job, attempt, begin)
     message.after_kv_transfer = True
     return StreamedDecode(engines, endpoint, engines.stream(endpoint), message, after=send)
+
+
+def decode_continuing(
+    engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt, begin: int,
+    send: Callable[[], Awaitable[None]], first: asyncio.Future[engine_pb2.GenerateOutput],
+) -> StreamedDecode[Any]:
+    """The decode step, not yet started, of a flow whose sender samples the first tokens
+    (`send`, a SendAhead made with sample_first; `first`, its output with them): they go to
+    the client as they come; the decode engine then starts with them
+    (StartGenerateRequest.continuations), once its reservation's KV is in (after_kv_transfer),
+    or is not started at all when every choice ended with them."""
+    message = _start_message(endpoint, job, attempt, begin)
+    message.after_kv_transfer = True
+    return StreamedDecode(engines, endpoint, engines.stream(endpoint), message, after=send, first=first)
 
 
 def _start_message(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
@@ -79,12 +79,15 @@ class EngineStream:
         return call is None or request_id not in call.routes
 
     async def call(self, request_id: str, message: engine_pb2.EngineGenerateRequest,
-                   timeout_s: float | None) -> engine_pb2.GenerateOutput:
+                   timeout_s: float | None,
+                   on_first: Callable[[engine_pb2.GenerateOutput], None] | None = None) -> engine_pb2.GenerateOutput:
         """A PrepRecv or RemoteSend made on the stream: its one output, or the
         grpc.aio.AioRpcError the unary call would have raised (the engine's error with its
         fault as trailing metadata, DEADLINE_EXCEEDED after `timeout_s`, the stream's failure).
-        Cancelling the caller or the deadline cancels the call on the engine."""
-        reply = _Reply()
+        Cancelling the caller or the deadline cancels the call on the engine. `on_first`: gets
+        the output with a RemoteSend's first tokens (sample_first_token) as it comes, in the
+        stream's reader."""
+        reply = _Reply(on_first)
         call = self._current()
         try:
             async with asyncio.timeout(timeout_s):
@@ -126,6 +129,14 @@ class EngineStream:
         if self._call is not None:
             self._call.cancel(request_id, _cancel_message(request_id))
 
+    def abort_unstarted(self, request_id: str) -> None:
+        """Abort what `request_id` holds on the engine though nothing of it runs on this
+        stream (a PrepRecv reservation no start will take): a `cancel` for an id the stream
+        does not know aborts it on the engine, a message instead of an Abort call."""
+        call = self._call
+        if call is not None and call.is_usable():
+            call.write_nowait(_cancel_message(request_id))
+
     async def close(self) -> None:
         if self._call is not None:
             await self._call.close()
@@ -136,15 +147,22 @@ def _cancel_message(request_id: str) -> engine_pb2.EngineGenerateRequest:
 
 
 class _Reply:
-    """The sink of a call made on an engine stream: its one output, or the stream's failure."""
+    """The sink of a call made on an engine stream: its one output (a RemoteSend's first
+    tokens, an output before it, go to `on_first`), or the stream's failure."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_first: Callable[[engine_pb2.GenerateOutput], None] | None = None) -> None:
         self.future: asyncio.Future[engine_pb2.GenerateOutput] = \
             asyncio.get_running_loop().create_future()
+        self._on_first = on_first
 
     def deliver(self, output: engine_pb2.GenerateOutput) -> bool:
-        if not self.future.done():
-            self.future.set_result(output)
+        if self.future.done():
+            return True
+        if output.continuations and self._on_first is not None:
+            self._on_first(output)
+            if not (output.HasField("remote_send") or output.HasField("error")):
+                return False  # the call's result is still to come
+        self.future.set_result(output)
         return True
 
     def fail(self, error: grpc.aio.AioRpcError) -> None:

@@ -70,6 +70,10 @@ class RouterMetrics:
             _PREFIX + "kv_transfer_bytes_per_second",
             "KV bytes per second of one RemoteSend (divide by 1e9 for GB/s).",
             ["engine"], buckets=THROUGHPUT_BUCKETS_BYTES_PER_S, registry=reg)
+        self.first_tokens_from_prefill = Counter(
+            _PREFIX + "first_tokens_from_prefill",
+            "Disaggregated requests whose first token the prefill engine sampled (first_token_on_prefill), "
+            "by prefill engine.", ["engine"], registry=reg)
         self.retries = Counter(
             _PREFIX + "retries", "Attempts run again elsewhere before any token was streamed, by failed engine.",
             ["engine"], registry=reg)

@@ -47,7 +47,12 @@ async def _disagg_with_factor(
     end = balanced_end(factor, len(prompt))
     decode_start = normalise_end(end, len(prompt))
     recv_rank = engines.device_id_start(decode.address)
-    ahead = calls.SendAhead(engines, prefill, job, attempt, end=end, receiver=decode.address) \
+    # P samples the first token where it computes the whole rest of the prompt anyway (D's
+    # share is only the last position) and both engines serve it: the client's first token
+    # then comes with P's prefill, before the KV transfer and D's first step.
+    sample_first = decode_start == len(prompt) - 1 and calls.samples_first(engines, prefill, decode, attempt)
+    ahead = calls.SendAhead(engines, prefill, job, attempt, end=end, receiver=decode.address,
+                            sample_first=sample_first) \
         if calls.sends_ahead(engines, prefill, job, attempt) else None
     try:
         kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, end)
@@ -80,6 +85,8 @@ async def _disagg_with_factor(
             )
         record()
 
+    if ahead is not None and sample_first:
+        return calls.decode_continuing(engines, decode, job, attempt, decode_start, send, ahead.first)
     if calls.starts_after_kv(engines, decode, attempt):
         # D's start goes out with P's RemoteSend and begins as the KV lands in D: no round
         # trip through P's answer and this router between the KV and D's first step.

@@ -95,6 +95,14 @@ class RouterSettings(BaseSettings):
         "answers (where the prefill engine serves RemoteSendRequest.kv_addr_follows), so the "
         "prefill computes meanwhile; false: RemoteSend after PrepRecv returns.",
     )
+    first_token_on_prefill: bool = Field(
+        default=True,
+        description="Disaggregation: the prefill engine samples the first token (its RemoteSend "
+        "made with sample_first_token, where both engines serve it and the whole remaining prompt "
+        "goes to the prefill engine), which reaches the client before the KV transfer and the "
+        "decode engine's first step; the decode engine continues from it. false: MLC's protocol "
+        "as it is, the decode engine samples every token.",
+    )
     engine_stream_batches: bool = Field(
         default=True,
         description="On an engine's Generate stream, the actions queued behind the write in flight "

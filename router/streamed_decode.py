@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import grpc
 
@@ -33,12 +33,16 @@ class StreamedDecode(Generic[T]):
 
     def __init__(self, engines: Engines, endpoint: Endpoint, stream: EngineStream,
                  request: engine_pb2.StartGenerateRequest,
-                 after: Callable[[], Awaitable[None]] | None = None) -> None:
+                 after: Callable[[], Awaitable[None]] | None = None,
+                 first: asyncio.Future[engine_pb2.GenerateOutput] | None = None) -> None:
         """`after`: the call that brings the request's KV (a RemoteSend), for a start that
         waits for it on the engine (after_kv_transfer): run beside the decode from its start;
-        its failure is the decode's."""
+        its failure is the decode's. `first`: that call's output with the first tokens (a send
+        that samples them): relayed first; the start goes out with their continuations, or
+        not at all when the request ended with them."""
         self._engines = engines
         self._after = after
+        self._first = first
         self._endpoint = endpoint
         self._stream = stream
         self._request = request
@@ -72,6 +76,18 @@ class StreamedDecode(Generic[T]):
             after.add_done_callback(self._after_done)
         is_done = False
         try:
+            if self._first is not None:
+                assert after is not None  # the send that samples them
+                first = await self._first_output(after)
+                value = on_output(first)
+                if value is not None or first.HasField("usage"):
+                    # The request ended with its first tokens (or the relay ended the attempt):
+                    # nothing starts here; the send is cancelled (below) and the reservation it
+                    # was filling is aborted.
+                    self._is_ended = True
+                    self._stream.abort_unstarted(self.request_id)
+                    return value
+                self._request.continuations.extend(first.continuations)
             try:
                 await self._stream.start(self._request, self)
             except grpc.aio.AioRpcError as exc:
@@ -89,6 +105,19 @@ class StreamedDecode(Generic[T]):
                 if not self._result.done():  # run() is ending: nobody reads it any more
                     self._result.cancel()
                 await _settle(after, is_done)
+
+    async def _first_output(self, after: asyncio.Future[None]) -> engine_pb2.GenerateOutput:
+        """The sender's output with the first tokens, or the sender's failure."""
+        first = self._first
+        assert first is not None
+        waits: list[asyncio.Future[Any]] = [first, after]
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if first.done():
+            return first.result()
+        after.result()  # raises the send's error
+        raise EngineCallError(
+            f"remote_send for {self.request_id} ended without the first tokens it was to sample",
+            code=grpc.StatusCode.INTERNAL, address="", stage="remote_send", detail="no first tokens")
 
     def _after_done(self, after: asyncio.Future[None]) -> None:
         """The KV's sender ended: a failure ends the decode with its error."""

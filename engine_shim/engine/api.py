@@ -8,6 +8,7 @@ adapter (`async_engine.AsyncEngine`) speak only these types.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -148,6 +149,9 @@ PackedOutput = tuple[str, tuple[PackedDelta, ...], Usage | None]
 # How a choice whose first output tokens another engine sampled goes on (start_generate's
 # `continuations`): its index, those tokens, its generator state after them (b"": greedy).
 Continuation = tuple[int, tuple[int, ...], bytes]
+# Told a send's first tokens (remote_send's `first`): the output and each choice's generator
+# state after its draw.
+OnFirst = Callable[[GenerateOutput, tuple[bytes, ...]], None]
 
 
 def unpack_output(packed: PackedOutput) -> GenerateOutput:

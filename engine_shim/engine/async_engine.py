@@ -14,17 +14,21 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from microserving.tokenizer import Tokenizer
 
 from .api import (
     AlreadyExistsError,
+    Continuation,
     EngineStatus,
+    FailedPreconditionError,
     GenerateOutput,
     KVChunk,
     KVLayout,
+    OnFirst,
     PackedOutput,
     PrepRecvResult,
     SamplingParams,
@@ -48,7 +52,7 @@ from .core_loop import (
     core_facts,
 )
 from .core_process import ProcessDriver
-from .disaggregation import EngineEvent, SendFailed, SendReady, StartFailed
+from .disaggregation import EngineEvent, FirstTokens, SendFailed, SendReady, StartFailed
 from .llm_engine import LLMEngine
 
 if TYPE_CHECKING:
@@ -173,6 +177,26 @@ class _SinkStream:
             self.done.set_result(None)
 
 
+@dataclass(eq=False)
+class FirstSink:
+    """Where a send's first tokens go (AsyncEngine.sampling_first): the next send of its id
+    takes `sampling` to the core (`is_taken`); `done` ends True once they were handed to
+    `on_first`, False when the core dropped them (the send ended before its prompt's last
+    position was computed)."""
+
+    sampling: SamplingParams
+    on_first: OnFirst
+    done: asyncio.Future[bool]
+    is_taken: bool = False
+
+    async def delivered(self) -> None:
+        """After the send's result: its first tokens went out before it, or this raises."""
+        if not self.is_taken:
+            raise FailedPreconditionError("sample_first_token: the send computed nothing here, so sampled nothing")
+        if not await self.done:
+            raise FailedPreconditionError("sample_first_token: the send ended before its first tokens were sampled")
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -203,6 +227,7 @@ class AsyncEngine:
         # Per request: an asyncio.Queue (generate) or a _SinkStream (run_generate).
         self._generate_queues: dict[str, Any] = {}
         self._send_queues: dict[str, Any] = {}
+        self._firsts: dict[str, FirstSink] = {}  # sends that sample their request's first tokens
         self._status: EngineStatus | None = None  # built from _status_fields when asked
         self._status_fields: StatusFields | None = None
         self._is_stopping = False
@@ -347,7 +372,7 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt)
+            await self._start_op(request_id, "remote_send", *self._send_args(request_id, ids, begin, end, cache_salt))
             is_released = False
             if on_accepted is not None:
                 on_accepted()
@@ -366,17 +391,48 @@ class AsyncEngine:
     async def hold_reservation(self, request_id: str, is_held: bool) -> None:
         await self._call("hold_reservation", request_id, is_held)
 
+    @contextlib.contextmanager
+    def sampling_first(self, request_id: str, sampling: SamplingParams, on_first: OnFirst) -> Iterator[FirstSink]:
+        """Around a send (remote_send, held_send) of `request_id`: its job also samples the
+        request's first tokens with `sampling` (LLMEngine.remote_send's `first`), handed to
+        `on_first` in the event loop as the core delivers them; a send made again under the
+        id in the body (a fallback that computes from the prefix cache) samples nothing."""
+        if self._loop is None:
+            raise UnavailableError("engine is not running")
+        if request_id in self._firsts:
+            raise AlreadyExistsError(f"request {request_id!r} already samples its first tokens")
+        sink = FirstSink(sampling, on_first, self._loop.create_future())
+        self._firsts[request_id] = sink
+        try:
+            yield sink
+        finally:
+            if self._firsts.get(request_id) is sink:
+                del self._firsts[request_id]
+            if not sink.done.done():
+                sink.done.cancel()
+
+    def _send_args(self, request_id: str, ids: list[int], begin: int, end: int, cache_salt: str) -> tuple[Any, ...]:
+        """The core's remote_send arguments; the first send of an id under sampling_first
+        takes its sampling."""
+        sink = self._firsts.get(request_id)
+        if sink is None or sink.is_taken:
+            return request_id, ids, begin, end, cache_salt
+        sink.is_taken = True
+        return request_id, ids, begin, end, cache_salt, sink.sampling
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        after_kv: bool = False,
+        after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         """start_generate: stream outputs until the request finishes. `after_kv`: the
-        engine starts it once its reservation's KV is complete (LLMEngine.start_generate)."""
+        engine starts it once its reservation's KV is complete; `continuations`: its output
+        began on the engine that sent the KV (LLMEngine.start_generate)."""
         ids = list(token_ids)
         stream = self._open_stream(self._generate_queues, request_id)
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling, after_kv)
+            await self._start_op(request_id, "start_generate",
+                                 *_start_args(request_id, ids, begin, sampling, after_kv, continuations))
             is_done = False
             while True:
                 item = await stream.get()
@@ -396,6 +452,7 @@ class AsyncEngine:
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
+        continuations: Sequence[Continuation] = (),
     ) -> None:
         """start_generate with its outputs handed to `on_output` in the event loop as each
         step delivers them (in order); returns when the request finishes, raises when it
@@ -410,7 +467,8 @@ class AsyncEngine:
         self._generate_queues[request_id] = stream
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling, after_kv)
+            await self._start_op(request_id, "start_generate",
+                                 *_start_args(request_id, ids, begin, sampling, after_kv, continuations))
             is_done = False
             try:
                 await done
@@ -444,7 +502,7 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt)
+            await self._start_op(request_id, "remote_send", *self._send_args(request_id, ids, begin, end, cache_salt))
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):
@@ -575,10 +633,24 @@ class AsyncEngine:
                 stream, item = send.get(event.request_id), event.error
             elif isinstance(event, StartFailed):
                 stream, item = generate.get(event.request_id), event.error
+            elif isinstance(event, FirstTokens):
+                self._deliver_first(event)
+                continue
             else:
                 continue
             if stream is not None:  # its consumer may have gone: drop the item
                 stream.put_nowait(item)
+
+    def _deliver_first(self, event: FirstTokens) -> None:
+        sink = self._firsts.get(event.request_id)
+        if sink is None or sink.done.done():  # its send has ended: nobody waits for them
+            return
+        if event.output is None:
+            sink.done.set_result(False)
+            return
+        output = event.output if isinstance(event.output, GenerateOutput) else unpack_output(event.output)
+        sink.on_first(output, event.sampler_states)
+        sink.done.set_result(True)
 
     def _fail_requests(self, error: BaseException) -> None:
         """A step failed: abort every request this side knows and fail its stream."""
@@ -589,6 +661,10 @@ class AsyncEngine:
     def _fail_streams(self, error: BaseException) -> None:
         for stream in [*self._generate_queues.values(), *self._send_queues.values()]:
             stream.put_nowait(error)
+        for sink in self._firsts.values():
+            if sink.is_taken and not sink.done.done():
+                sink.done.set_exception(error)
+                sink.done.exception()  # retrieved: the send fails with the error anyway
 
     def _fail_all(self, error: BaseException) -> None:
         self._fail_streams(error)
@@ -608,6 +684,17 @@ class AsyncEngine:
         self._fail_all(UnavailableError(reason))
         if self._lost_reason is not None and not self._lost_reason.done():
             self._lost_reason.set_result(reason)
+
+
+def _start_args(
+    request_id: str, ids: list[int], begin: int, sampling: SamplingParams, after_kv: bool,
+    continuations: Sequence[Continuation],
+) -> tuple[Any, ...]:
+    """The core's start_generate arguments (continuations only where there are some: the
+    benchmark-only synthetic core takes none)."""
+    if not continuations:
+        return request_id, ids, begin, sampling, after_kv
+    return request_id, ids, begin, sampling, after_kv, tuple(continuations)
 
 
 def _from_position(windows: list[tuple[int, int]], begin: int) -> list[tuple[int, int]]:

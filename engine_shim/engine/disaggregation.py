@@ -67,10 +67,11 @@ class FirstTokens:
     """A send job that samples (remote_send's `first`) drew each choice's first token: its
     output as a generate request's would be (packed where the core packs outputs), and each
     choice's generator state after the draw (empty for greedy sampling), for the engine
-    that continues it (start_generate's `continuations`)."""
+    that continues it (start_generate's `continuations`). No output: the job ended (an abort,
+    a preempt, no room) before its tokens were sampled; none will come."""
 
     request_id: str
-    output: GenerateOutput | tuple[Any, ...]
+    output: GenerateOutput | tuple[Any, ...] | None
     sampler_states: tuple[bytes, ...]
 
 

@@ -282,7 +282,7 @@ class LLMEngine:
             output = take_output(request, self.packs_outputs, ended=True)
             assert output is not None  # an ended request always has its last output
             self._events.append(output)
-        self._first_samples.pop(request_id, None)
+        self._drop_first_samples(request_id)
         job = self.disaggregation.pop_send(request_id)
         if job is not None:
             found = True
@@ -672,6 +672,10 @@ class LLMEngine:
         if choice.is_finished:
             self._drop_seq(seq)
 
+    def _drop_first_samples(self, request_id: str) -> None:
+        if self._first_samples.pop(request_id, None) is not None:
+            self._events.append(FirstTokens(request_id, None, ()))
+
     def _sample_first(self, request: GenerateRequest, job: Sequence, result: RunResult, row: int) -> None:
         """A sampling send job's first tokens: each choice draws from the prompt's last
         position with its own generator, as a generate request's first step does."""
@@ -702,7 +706,7 @@ class LLMEngine:
         seq.block_table = []  # the scheduler released the pages
         if seq.kind is SeqKind.SEND:
             self.disaggregation.pop_send(seq.request_id)
-            self._first_samples.pop(seq.request_id, None)
+            self._drop_first_samples(seq.request_id)
             self._events.append(SendFailed(seq.request_id, PreemptedError("remote_send preempted")))
             return
         request = self._requests[seq.request_id]
@@ -724,7 +728,7 @@ class LLMEngine:
         seq.status = SeqStatus.FINISHED
         if seq.kind is SeqKind.SEND:
             self.disaggregation.pop_send(seq.request_id)
-            self._first_samples.pop(seq.request_id, None)
+            self._drop_first_samples(seq.request_id)
             self._events.append(SendFailed(seq.request_id, ResourceExhaustedError("KV pool too small")))
             return
         request = self._requests[seq.request_id]

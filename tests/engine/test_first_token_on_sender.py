@@ -193,7 +193,8 @@ def test_abort_before_the_first_tokens_drops_them(make_engine) -> None:
     prefill.remote_send("x", ids, 0, -1, first=SamplingParams(temperature=0.0, max_tokens=4))
     assert prefill.abort("x")
     events = [e for _ in range(5) for e in prefill.step()]
-    assert not [e for e in events if isinstance(e, FirstTokens)]
+    # one FirstTokens without output: the sampling was dropped, none will come
+    assert [e.output for e in events if isinstance(e, FirstTokens)] == [None]
     _all_pages_back(prefill)
 
 

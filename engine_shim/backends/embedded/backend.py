@@ -12,10 +12,17 @@ import logging
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from engine_shim.backend import BackendInfo, HoldListener, Reservation, SendResult, SendTarget
+from engine_shim.backend import (
+    BackendInfo,
+    FirstDelivery,
+    HoldListener,
+    Reservation,
+    SendResult,
+    SendTarget,
+)
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo, NixlOffer
 from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, check_layout
 from engine_shim.backends.embedded.kv_plane.nixl import KVWritePlane, NixlPlane, start_agent
@@ -33,6 +40,7 @@ from engine_shim.backends.embedded.kv_plane.shm import (
 )
 from engine_shim.backends.embedded.send_ahead import ChunksAhead, EnteredAhead
 from engine_shim.engine.api import (
+    Continuation,
     EngineError,
     EngineStatus,
     FailedPreconditionError,
@@ -40,6 +48,7 @@ from engine_shim.engine.api import (
     InvalidRequestError,
     KVChunk,
     KVLayout,
+    OnFirst,
     SamplingParams,
     UnavailableError,
 )
@@ -149,6 +158,8 @@ class EmbeddedBackend:
             kv_layout=engine.kv_layout,
             starts_after_kv=True,
             takes_kv_addr_later=True,
+            # the benchmark-only synthetic core samples nothing
+            samples_first_token=self._name == "embedded",
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
         if self._nixl is not None:
             self._sweeper = asyncio.ensure_future(self._sweep_reservations())
@@ -423,12 +434,17 @@ class EmbeddedBackend:
         num_kv_bytes = (addr.end - addr.begin) * bytes_per_token(addr.layout)
         return self._segments.open(addr.shm, num_kv_bytes)
 
+    def sampling_first(
+        self, request_id: str, sampling: SamplingParams, on_first: OnFirst
+    ) -> AbstractContextManager[FirstDelivery]:
+        return self.engine.sampling_first(request_id, sampling, on_first)
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        after_kv: bool = False,
+        after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         async with self._starting(request_id, after_kv) as in_engine:
-            outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, in_engine)
+            outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, in_engine, continuations)
             try:
                 async for output in outputs:
                     yield output
@@ -438,9 +454,11 @@ class EmbeddedBackend:
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
+        continuations: Sequence[Continuation] = (),
     ) -> None:
         async with self._starting(request_id, after_kv) as in_engine:
-            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, in_engine)
+            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, in_engine,
+                                           continuations)
 
     @contextlib.asynccontextmanager
     async def _starting(self, request_id: str, after_kv: bool) -> AsyncIterator[bool]:

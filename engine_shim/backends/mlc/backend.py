@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ import aiohttp
 
 from engine_shim.backend import (
     BackendInfo,
+    FirstDelivery,
     HoldListener,
     KVTransferService,
     Reservation,
@@ -33,10 +35,12 @@ from engine_shim.backends.mlc import protocol
 from engine_shim.backends.mlc.launcher import MLCProcess
 from engine_shim.backends.mlc.sse import sse_json
 from engine_shim.engine.api import (
+    Continuation,
     EngineStatus,
     GenerateOutput,
     InvalidRequestError,
     KVLayout,
+    OnFirst,
     PrefixCacheStats,
     SamplingParams,
     UnavailableError,
@@ -199,11 +203,17 @@ class MLCBackend:
                 response.close()  # unfinished: dropping the connection makes MLC abort it
             response.release()  # finished: the connection goes back to the pool
 
+    def sampling_first(
+        self, request_id: str, sampling: SamplingParams, on_first: OnFirst
+    ) -> AbstractContextManager[FirstDelivery]:
+        raise InvalidRequestError("sample_first_token: an MLC engine samples only on the receiving side")
+
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
-        after_kv: bool = False,
+        after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         _refuse_after_kv(after_kv)
+        _refuse_continuations(continuations)
         async with self._start_generate(request_id, token_ids, begin, sampling) as response:
             async for output in self._outputs(request_id, response, begin, sampling):
                 yield output
@@ -218,10 +228,12 @@ class MLCBackend:
     async def run_generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
+        continuations: Sequence[Continuation] = (),
     ) -> None:
         # MLC streams each request over an HTTP response of its own: nothing to batch here,
         # but two generator hops per chunk fewer than draining `generate`.
         _refuse_after_kv(after_kv)
+        _refuse_continuations(continuations)
         async with self._start_generate(request_id, token_ids, begin, sampling) as response:
             async for output in self._outputs(request_id, response, begin, sampling):
                 on_output(output)
@@ -288,6 +300,11 @@ class MLCBackend:
             max_context_length=info.max_context_length,
             prefix_cache=PrefixCacheStats(0, 0, 0, 0, 0),
         )
+
+
+def _refuse_continuations(continuations: Sequence[Continuation]) -> None:
+    if continuations:
+        raise InvalidRequestError("continuations: an MLC engine cannot continue another engine's choices")
 
 
 def _refuse_after_kv(after_kv: bool) -> None:
