@@ -11,7 +11,13 @@ from collections.abc import Callable
 import pytest
 from engine_test_utils import random_prompt
 
-from engine_shim.engine.api import Continuation, FinishReason, GenerateOutput, InvalidRequestError, SamplingParams
+from engine_shim.engine.api import (
+    Continuation,
+    FinishReason,
+    GenerateOutput,
+    InvalidRequestError,
+    SamplingParams,
+)
 from engine_shim.engine.disaggregation import FirstTokens
 from engine_shim.engine.llm_engine import LLMEngine
 

@@ -13,7 +13,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 import pytest
-from router_stack import Result, collect, engine_alone, engine_status, router_settings, running_router, wait_for
+from router_stack import (
+    Result,
+    collect,
+    engine_alone,
+    engine_status,
+    router_settings,
+    running_router,
+    wait_for,
+)
 
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 from router.router import Router
