@@ -16,7 +16,7 @@ from engine_shim.engine.api import (
     SamplingParams,
 )
 from engine_shim.engine.config import EngineConfig
-from engine_shim.engine.disaggregation import SendReady
+from engine_shim.engine.disaggregation import FirstTokens, SendReady
 
 PROFILE = StepProfile.parse("1:1.03,32:1.33,128:2.01", 120_000)
 PROMPT = [ord(c) for c in "the quick brown fox jumps over the lazy dog " * 5]  # 220 tokens
@@ -208,3 +208,40 @@ def test_device_clock_chains_decode_steps_and_waits_for_the_host_otherwise() -> 
     assert clock.step_ends_at(15.5, 1.0, is_chained=False) == 18.0  # ... and for the device
     clock.idle()
     assert clock.step_ends_at(30.0, 1.0, is_chained=True) == 31.0
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=10, ignore_eos=True),
+    SamplingParams(max_tokens=6, ignore_eos=True, n=3, seed=5, logprobs=True, top_logprobs=2),
+    SamplingParams(max_tokens=1, ignore_eos=True, n=2),
+])
+def test_first_tokens_drawn_on_the_sender_continue_on_the_receiver(sampling: SamplingParams) -> None:
+    """As the real engine's (tests/engine/test_first_token_on_sender.py): the sender draws
+    each choice's first token once the whole prompt is "computed", the receiver continues
+    from it; every choice's tokens and text are the engine alone's, and the pages come back."""
+    alone = _core()
+    alone.start_generate("r", PROMPT, 0, sampling)
+    reference = _run(alone)["r"]
+
+    prefill, decode = _core(), _core()
+    end = len(PROMPT) - 1
+    decode.prep_recv("r", PROMPT, -1, sampling)
+    prefill.remote_send("r", PROMPT, 0, end, first=sampling)
+    events: list[object] = []
+    while not any(isinstance(e, FirstTokens) for e in events):
+        events += prefill.step()
+    first = next(e for e in events if isinstance(e, FirstTokens))
+    assert isinstance(first.output, GenerateOutput)
+    for begin, num_tokens in prefill.export_windows("r"):
+        decode.import_kv("r", prefill.export_kv("r", begin, num_tokens))
+    prefill.finish_remote_send("r")
+    continuations = [(d.index, d.token_ids, b"") for d in first.output.deltas]
+    decode.start_generate("r", PROMPT, end, sampling, continuations=continuations)
+    outputs = [first.output, *_run(decode).get("r", [])]
+    for index in range(sampling.n):
+        assert _ids(outputs, index) == _ids(reference, index)
+        assert _text(outputs, index) == _text(reference, index)
+    assert outputs[-1].usage is not None and reference[-1].usage is not None
+    assert outputs[-1].usage.completion_tokens == reference[-1].usage.completion_tokens
+    assert prefill.num_free_pages == prefill.num_pages
+    assert decode.num_free_pages == decode.num_pages

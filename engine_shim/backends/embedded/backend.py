@@ -158,8 +158,7 @@ class EmbeddedBackend:
             kv_layout=engine.kv_layout,
             starts_after_kv=True,
             takes_kv_addr_later=True,
-            # the benchmark-only synthetic core samples nothing
-            samples_first_token=self._name == "embedded",
+            samples_first_token=True,
         )  # AsyncEngine.start() has loaded the model and run a warm-up pass
         if self._nixl is not None:
             self._sweeper = asyncio.ensure_future(self._sweep_reservations())

@@ -24,15 +24,15 @@ from typing import Any, cast
 from engine_shim.backends.synthetic.device_clock import DeviceClock
 from engine_shim.backends.synthetic.pages import DEFAULT_NUM_PAGES, PagePool
 from engine_shim.backends.synthetic.profile import StepProfile
-from engine_shim.backends.synthetic.tokens import TokenStream
+from engine_shim.backends.synthetic.tokens import TokenStream, refuse_unmodelled
 from engine_shim.backends.synthetic.transfer import TransferOps
 from engine_shim.engine import validation
 from engine_shim.engine.api import (
     AlreadyExistsError,
+    Continuation,
     EngineStatus,
     FailedPreconditionError,
     FinishReason,
-    InvalidRequestError,
     KVLayout,
     PackedOutput,
     SamplingParams,
@@ -41,12 +41,13 @@ from engine_shim.engine.api import (
     status_from_fields,
 )
 from engine_shim.engine.config import MODEL_PRESETS, EngineConfig
-from engine_shim.engine.disaggregation import EngineEvent, SendReady
+from engine_shim.engine.disaggregation import EngineEvent, FirstTokens, SendReady
 from engine_shim.engine.request import (
     Choice,
     GenerateRequest,
     add_token,
     finish_choice,
+    replay_tokens,
     take_output,
 )
 from engine_shim.engine.sequence import SeqKind, SeqStatus, Sequence
@@ -135,21 +136,23 @@ class SyntheticCore(TransferOps):
     # ---- generate ----
     def start_generate(
         self, request_id: str, token_ids: SequenceT[int], begin: int, sampling: SamplingParams,
-        after_kv: bool = False,
+        after_kv: bool = False, continuations: SequenceT[Continuation] = (),
     ) -> None:
-        """As LLMEngine.start_generate, `after_kv` included."""
+        """As LLMEngine.start_generate, `after_kv` and `continuations` included."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b = validation.check_start_generate_begin(begin, len(ids))
         max_tokens = validation.check_sampling(
             sampling, self.vocab_size, self.max_context_length, len(ids)
         )
-        _refuse_unmodelled(sampling)
+        refuse_unmodelled(sampling)
+        validation.check_continuations(continuations, sampling.n, self.vocab_size)
         if request_id in self._requests or request_id in self._sends or request_id in self._kv_waits:
             raise AlreadyExistsError(f"request {request_id!r} is already active")
         self.pages.check_fits(len(ids) + 1)
         if after_kv and not self._kv_is_filled(request_id, ids, b):
-            self._kv_waits.wait(request_id, lambda: self.start_generate(request_id, ids, b, sampling))
+            self._kv_waits.wait(
+                request_id, lambda: self.start_generate(request_id, ids, b, sampling, continuations=continuations))
             return
         seq = self._new_seq(request_id, ids, SeqKind.GENERATE)
         reservation = self._reservations.get(request_id)
@@ -168,12 +171,58 @@ class SyntheticCore(TransferOps):
             sampling=sampling,
             max_tokens=max_tokens,
             num_prompt_tokens=len(ids),
-            stop_token_ids=frozenset(sampling.stop_token_ids)
-            | (frozenset() if sampling.ignore_eos else frozenset(self.tokenizer.eos_token_ids)),
-            choices=[self._new_choice(0, seq, sampling)],
+            stop_token_ids=self._stop_token_ids(sampling),
+            choices=[] if continuations else [self._new_choice(0, seq, sampling)],
         )
         self._requests[request_id] = request
+        if continuations:
+            self._continue(request, seq, continuations)
+            return
         self._waiting.append(seq)
+
+    def _continue(self, request: GenerateRequest, seq: Sequence, continuations: SequenceT[Continuation]) -> None:
+        """As LLMEngine's: each choice from its continuation, its token stream past the
+        tokens the sender drew; the first that goes on takes the reservation's pages."""
+        request.is_forked = True
+        holder: Sequence | None = None
+        for index, token_ids, _ in continuations:
+            child = seq if holder is None else \
+                self._new_seq(seq.request_id, seq.token_ids[:request.num_prompt_tokens], SeqKind.GENERATE)
+            child.choice_index, child.is_disaggregated = index, True
+            child.num_computed_tokens = child.num_cached_tokens = seq.num_computed_tokens
+            choice = self._new_choice(index, child, request.sampling)
+            for _ in token_ids:
+                self._streams[choice].next()
+            request.choices.append(choice)
+            replay_tokens(request, choice, tuple(token_ids), self.tokenizer)
+            if choice.is_finished:
+                if child is seq:
+                    choice.seq = self._new_seq(seq.request_id, list(child.token_ids), SeqKind.GENERATE)
+                    choice.seq.num_prompt_tokens = request.num_prompt_tokens
+                    del seq.token_ids[request.num_prompt_tokens:]
+                choice.seq.status = SeqStatus.FINISHED
+                self._streams.pop(choice, None)
+                continue
+            holder = holder or child
+            self._waiting.append(child)
+        if holder is None:  # every choice ended with the sender's tokens
+            self.pages.release(seq.block_table)
+            self._emit(request)
+
+    def _first_request(self, request_id: str, ids: list[int], sampling: SamplingParams, max_tokens: int) -> GenerateRequest:
+        """The request whose choices a sampling send job draws the first tokens of."""
+        request = GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
+                                  num_prompt_tokens=len(ids), stop_token_ids=self._stop_token_ids(sampling),
+                                  choices=[], is_forked=True)
+        for index in range(sampling.n):
+            choice_seq = self._new_seq(request_id, list(ids), SeqKind.GENERATE)
+            choice_seq.status = SeqStatus.FINISHED
+            request.choices.append(self._new_choice(index, choice_seq, sampling))
+        return request
+
+    def _stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if sampling.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
+        return frozenset(sampling.stop_token_ids) | eos
 
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; True if it was active."""
@@ -244,8 +293,16 @@ class SyntheticCore(TransferOps):
             seq.status = SeqStatus.PARKED
             self._sends[seq.request_id].is_ready = True
             self._events.append(SendReady(seq.request_id))
+            first = self._first_samples.get(seq.request_id)
+            if first is not None and first[0] is seq:
+                del self._first_samples[seq.request_id]
+                self._draw_first(first[1])
             return
         request = self._requests[seq.request_id]
+        if request.is_forked:  # a continuation: its choices are all here already
+            self._running.append(seq)
+            self._sample(request, request.choices[seq.choice_index], touched)
+            return
         for index in range(1, request.sampling.n):  # n > 1: the other choices fork here
             child = self._new_seq(seq.request_id, list(seq.token_ids), SeqKind.GENERATE)
             child.choice_index, child.status = index, SeqStatus.RUNNING
@@ -257,6 +314,15 @@ class SyntheticCore(TransferOps):
         self._running.append(seq)
         for choice in request.choices:  # the parent first, as LLMEngine samples them
             self._sample(request, choice, touched)
+
+    def _draw_first(self, request: GenerateRequest) -> None:
+        for choice in request.choices:
+            sampled = self._streams.pop(choice).next()
+            choice.seq.token_ids.append(sampled.token_id)
+            add_token(request, choice, sampled, self.tokenizer)
+        output = take_output(request, self.packs_outputs)
+        assert output is not None  # every choice has a token
+        self._events.append(FirstTokens(request.request_id, output, (b"",) * len(request.choices)))
 
     def _decode(self, seq: Sequence, touched: dict[str, GenerateRequest]) -> None:
         request = self._requests.get(seq.request_id)
@@ -324,12 +390,3 @@ class SyntheticCore(TransferOps):
         waiting = {s.request_id for s in self._waiting} - running
         return (len(running), len(waiting), self.num_free_pages, len(self._reservations),
                 (0, 0, 0, 0, 0), None)
-
-
-def _refuse_unmodelled(sampling: SamplingParams) -> None:
-    """The synthetic draw ignores temperature, top_p and top_k (it is a fixed function of
-    prompt, seed and choice); options that would change which tokens are legal are refused."""
-    if sampling.logit_bias or sampling.frequency_penalty or sampling.presence_penalty:
-        raise InvalidRequestError(
-            "the synthetic (benchmark-only) backend does not model logit_bias or penalties"
-        )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from engine_shim.engine.api import SamplingParams
+from engine_shim.engine.api import InvalidRequestError, SamplingParams
 from engine_shim.engine.sampler import SampledToken
 
 # Letters roughly by English frequency, and spaces, so the text looks like words.
@@ -40,3 +40,12 @@ class TokenStream:
             for i, t in enumerate([token_id, *(t for t in _DISTINCT_IDS if t != token_id)])
         )[: self._top_logprobs]
         return SampledToken(token_id, _TOKEN_LOGPROB, top)
+
+
+def refuse_unmodelled(sampling: SamplingParams) -> None:
+    """The synthetic draw ignores temperature, top_p and top_k (it is a fixed function of
+    prompt, seed and choice); options that would change which tokens are legal are refused."""
+    if sampling.logit_bias or sampling.frequency_penalty or sampling.presence_penalty:
+        raise InvalidRequestError(
+            "the synthetic (benchmark-only) backend does not model logit_bias or penalties"
+        )

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 from engine_shim.backends.synthetic.pages import PagePool
+from engine_shim.backends.synthetic.tokens import refuse_unmodelled
 from engine_shim.engine import validation
 from engine_shim.engine.api import (
     AlreadyExistsError,
@@ -28,7 +29,7 @@ from engine_shim.engine.api import (
     SamplingParams,
 )
 from engine_shim.engine.config import EngineConfig
-from engine_shim.engine.disaggregation import EngineEvent, SendFailed
+from engine_shim.engine.disaggregation import EngineEvent, FirstTokens, SendFailed
 from engine_shim.engine.kv_waits import KVWaits
 from engine_shim.engine.sequence import SeqKind, Sequence
 
@@ -78,10 +79,14 @@ class TransferOps:
 
         def _new_seq(self, request_id: str, ids: list[int], kind: SeqKind) -> Sequence: ...
 
+        def _first_request(self, request_id: str, ids: list[int], sampling: SamplingParams, max_tokens: int) -> Any: ...
+
     def __init__(self) -> None:
         self._sends: dict[str, SyntheticSendJob] = {}
         self._reservations: dict[str, SyntheticReservation] = {}
         self._kv_waits = KVWaits(lambda event: self._events.append(event))  # as LLMEngine's: starts waiting for their KV
+        # send jobs that draw their request's first tokens (remote_send's `first`)
+        self._first_samples: dict[str, tuple[Sequence, Any]] = {}
 
     # ---- receiving ----
     def prep_recv(
@@ -171,21 +176,31 @@ class TransferOps:
 
     # ---- sending ----
     def remote_send(
-        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = ""
+        self, request_id: str, token_ids: SequenceT[int], begin: int, end: int, cache_salt: str = "",
+        first: SamplingParams | None = None,
     ) -> None:
         """Queue the prompt window's "computation" (prefill time on the schedule); a
         SendReady event says [begin, end) can be exported. No prefix cache here, so the
-        cache salt scopes nothing."""
+        cache salt scopes nothing. `first`: as LLMEngine's, the whole prompt is "computed"
+        and each choice's first token drawn once it is (a FirstTokens event)."""
         del cache_salt
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
         b, e = validation.check_remote_send_window(begin, end, len(ids))
+        max_tokens = 0
+        if first is not None:
+            max_tokens = validation.check_sampling(first, self.vocab_size, self.max_context_length, len(ids))
+            refuse_unmodelled(first)
         # A reservation of the same id may coexist (one engine both sending and receiving).
         if request_id in self._sends or request_id in self._requests:
             raise AlreadyExistsError(f"request {request_id!r} is already active")
-        self.pages.check_fits(e)
-        seq = self._new_seq(request_id, ids[:e], SeqKind.SEND)
+        computed = e if first is None else len(ids)
+        self.pages.check_fits(computed)
+        seq = self._new_seq(request_id, ids[:computed], SeqKind.SEND)
         seq.is_disaggregated = True
+        if first is not None:
+            seq.samples_last = True
+            self._first_samples[request_id] = (seq, self._first_request(request_id, ids, first, max_tokens))
         self._sends[request_id] = SyntheticSendJob(seq, b, e)
         self._waiting.append(seq)
 
@@ -224,6 +239,8 @@ class TransferOps:
         return job
 
     def _abort_transfer(self, request_id: str) -> bool:
+        if self._first_samples.pop(request_id, None) is not None:
+            self._events.append(FirstTokens(request_id, None, ()))
         found = False
         job = self._sends.pop(request_id, None)
         if job is not None:
