@@ -16,6 +16,7 @@ from engine_shim.engine.api import AlreadyExistsError, FailedPreconditionError
 class _Reservation:
     end: int
     expires_at_s: float
+    num_holds: int = 0  # KV pushes, writes and HoldKVs open on it: it does not expire meanwhile
 
 
 class RequestTracker:
@@ -77,11 +78,14 @@ class RequestTracker:
         self._sending.discard(request_id)
 
     def hold(self, request_id: str, is_held: bool) -> None:
-        """A KV push into the reservation began (it does not expire while the push is open)
-        or ended (its TTL starts again); the engine holds its own copy alike."""
+        """A KV push, write or HoldKV on the reservation began (it does not expire while one
+        is open) or ended (its TTL starts again once none is); the engine holds its own copy
+        alike."""
         reservation = self._reserved.get(request_id)
-        if reservation is not None:
-            reservation.expires_at_s = math.inf if is_held else self._clock() + self._ttl_s
+        if reservation is None:
+            return
+        reservation.num_holds = reservation.num_holds + 1 if is_held else max(0, reservation.num_holds - 1)
+        reservation.expires_at_s = math.inf if reservation.num_holds else self._clock() + self._ttl_s
 
     def forget(self, request_id: str) -> None:
         """After an abort: the id holds nothing any more (a running stream ends by itself)."""

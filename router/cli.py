@@ -62,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--send-ahead", action=argparse.BooleanOptionalAction, default=None,
         help="disagg: make P's RemoteSend together with D's PrepRecv, D's address following on "
         "P's engine stream (default), or --no-send-ahead: RemoteSend after PrepRecv returns")
+    add("--first-token-on-prefill", action=argparse.BooleanOptionalAction, default=None,
+        help="disagg: the prefill engine samples the first token, which reaches the client before "
+        "the KV transfer and D's first step (default, where both engines serve it), or "
+        "--no-first-token-on-prefill: MLC's protocol, D samples every token")
     add("--engine-stream-batches", action=argparse.BooleanOptionalAction, default=None,
         help="send the actions queued on an engine's stream together, in one message (default), "
         "or --no-engine-stream-batches: a message each")

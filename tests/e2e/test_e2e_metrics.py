@@ -92,6 +92,8 @@ def test_router_metrics_count_each_request_per_engine_and_pd_stage(stack: dict[s
                  engine=decode) == NUM_REQUESTS
     assert value(samples, prefix + "engine_call_seconds_count", engine=decode, call="prep_recv") >= 1
     assert value(samples, prefix + "engine_call_seconds_count", engine=prefill, call="remote_send") >= 1
+    # the default: P sampled the first token of the requests it computed
+    assert value(samples, prefix + "first_tokens_from_prefill_total", engine=prefill) >= 1
     moved_tokens = value(samples, prefix + "kv_transfer_tokens_total", engine=prefill)
     moved_bytes = value(samples, prefix + "kv_transfer_bytes_total", engine=prefill)
     assert moved_tokens > 0 and moved_bytes > 0
@@ -116,7 +118,9 @@ def test_shim_metrics_come_from_the_engine_status(stack: dict[str, Service]) -> 
         assert value(samples, "microserving_shim_kv_reserved_pages") == 0  # every reservation claimed
         assert value(samples, "microserving_shim_engine_step_seconds_count") > 0
         assert value(samples, "microserving_shim_engine_step_seconds_sum") > 0
-    assert value(decode, "microserving_shim_generated_tokens_total") >= NUM_REQUESTS * MAX_TOKENS
+    # D samples every token but the first, which P samples (first_token_on_prefill)
+    assert value(decode, "microserving_shim_generated_tokens_total") + \
+        value(prefill, "microserving_shim_generated_tokens_total") >= NUM_REQUESTS * MAX_TOKENS
     # The second request's prompt is the first's: the decode engine's prefix cache hit it.
     assert value(decode, "microserving_shim_prefix_cache_hit_tokens_total") > 0
     assert 0 < value(decode, "microserving_shim_prefix_cache_hit_ratio") <= 1

@@ -23,14 +23,14 @@ async def test_disagg_makes_the_send_with_the_receivers_prep_recv(shims, monkeyp
     real_call, real_send_to = EngineStream.call, EngineStream.send_to
 
     async def call(self: EngineStream, request_id: str, message: engine_pb2.EngineGenerateRequest,
-                   timeout_s: float | None) -> Any:
+                   timeout_s: float | None, on_first: Any = None) -> Any:
         action = message.WhichOneof("action")
         if action == "remote_send":
             send = message.remote_send
             events.append(f"remote_send made follows={send.kv_addr_follows} address={bool(send.kv_addr_info)}")
         else:
             events.append(f"{action} made")
-        reply = await real_call(self, request_id, message, timeout_s)
+        reply = await real_call(self, request_id, message, timeout_s, on_first)
         events.append(f"{action} returned")
         return reply
 

@@ -23,9 +23,9 @@ async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_s
     real_call = EngineStream.call
 
     async def recorded(self: EngineStream, request_id: str, message: engine_pb2.EngineGenerateRequest,
-                       timeout_s: float | None) -> Any:
+                       timeout_s: float | None, on_first: Any = None) -> Any:
         made.append((str(message.WhichOneof("action")), self.endpoint.address))
-        return await real_call(self, request_id, message, timeout_s)
+        return await real_call(self, request_id, message, timeout_s, on_first)
 
     monkeypatch.setattr(EngineStream, "call", recorded)
     prefill, decode = shims[0].address, shims[1].address
@@ -46,8 +46,8 @@ async def test_disagg_starts_the_decode_with_the_send_where_the_engine_waits_for
     real_call, real_start = EngineStream.call, EngineStream.start
 
     async def call(self: EngineStream, request_id: str, message: engine_pb2.EngineGenerateRequest,
-                   timeout_s: float | None) -> Any:
-        reply = await real_call(self, request_id, message, timeout_s)
+                   timeout_s: float | None, on_first: Any = None) -> Any:
+        reply = await real_call(self, request_id, message, timeout_s, on_first)
         events.append(f"{message.WhichOneof('action')} returned")
         return reply
 

@@ -41,14 +41,20 @@ HoldStub = Callable[[str], aio.UnaryStreamMultiCallable]
 
 
 async def serve_hold(
-    request: engine_pb2.HoldKVRequest, table: HoldTable, hold: HoldFn
+    request: engine_pb2.HoldKVRequest, table: HoldTable, hold: HoldFn,
+    on_hold: Callable[[str, bool], None] | None = None,
 ) -> AsyncIterator[engine_pb2.HoldKVResponse]:
     """HoldKV's one event, `held`; then the hold lasts until the call ends (cancelled by the
     sender, its deadline, or MAX_HOLD_S). A reservation the engine holds with no TTL of its
-    own (the ticket's is the only one) is held here alone: no engine round trip."""
+    own (the ticket's is the only one) is held here alone: no engine round trip. `on_hold`
+    (the shim's own view of its reservations, requests.RequestTracker, which counts the holds
+    open) is told of both ends: a start that comes during a long hold (after the sender's
+    queue, with the first tokens it sampled) finds the reservation live."""
     request_id = request.request_id
     ticket = table.hold(request_id, request.reservation_token)
     is_engine_held = False
+    if on_hold is not None:
+        on_hold(request_id, True)
     try:
         if not ticket.engine_held:
             await hold(request_id, True)
@@ -61,6 +67,8 @@ async def serve_hold(
             ticket.num_engine_holds -= 1  # may end the engine's hold (a write's end did)
         # The engine's copy is let go only when no write fills the reservation now and no
         # other hold is open; a reservation consumed or aborted meanwhile has nothing to let go.
+        if on_hold is not None:
+            on_hold(request_id, False)
         if table.let_go(request_id, ticket) and not ticket.engine_held:
             with contextlib.suppress(NotFoundError):
                 await hold(request_id, False)

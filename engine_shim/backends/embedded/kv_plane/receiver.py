@@ -137,7 +137,7 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
     async def HoldKV(
         self, request: engine_pb2.HoldKVRequest, context: aio.ServicerContext
     ) -> AsyncIterator[engine_pb2.HoldKVResponse]:
-        async for event in serve_hold(request, self._table, self._hold):
+        async for event in serve_hold(request, self._table, self._sink.hold_reservation, self._on_hold):
             yield event
 
     @map_errors
