@@ -251,7 +251,7 @@ class LLMEngine:
             replay_tokens(request, choice, tuple(token_ids), self.tokenizer)
             if choice.is_finished:
                 if child is seq:  # not yet a holder: a fresh sequence takes its place
-                    choice.seq = Sequence(seq.seq_id, seq.request_id, list(child.token_ids),
+                    choice.seq = Sequence(self._next_seq_id_now(), seq.request_id, list(child.token_ids),
                                           seq.num_prompt_tokens, status=SeqStatus.FINISHED)
                     seq.token_ids = seq.token_ids[:request.num_prompt_tokens]
                 else:
@@ -424,7 +424,8 @@ class LLMEngine:
                 stop_token_ids=self._stop_token_ids(first), choices=[], is_forked=True,
             )
             for index in range(first.n):  # each choice's own sequence, never scheduled
-                choice_seq = Sequence(seq.seq_id, request_id, list(ids), len(ids), status=SeqStatus.FINISHED)
+                choice_seq = Sequence(self._next_seq_id_now(), request_id, list(ids), len(ids),
+                                      status=SeqStatus.FINISHED)
                 request.choices.append(self._new_choice(index, choice_seq, first))
             self._first_samples[request_id] = (seq, request)
         self.disaggregation.add_send(seq, b, e)
