@@ -20,7 +20,7 @@ import openai
 import pytest
 import yaml
 
-from microserving.stack.process import free_port
+from microserving.stack.process import free_ports
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -96,8 +96,10 @@ class ComposeStack:
 def compose_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComposeStack]:
     services: dict[str, Any] = interpolate(
         yaml.safe_load((ROOT / "docker-compose.yml").read_text()), {})["services"]
-    ports = {name: free_port() for name in services}
-    metrics_ports = {name: free_port() for name in services}
+    # All at once, so all different (one by one, a port released may come back as the next).
+    chosen = iter(free_ports(2 * len(services)))
+    ports = {name: next(chosen) for name in services}
+    metrics_ports = {name: next(chosen) for name in services}
     logs = tmp_path_factory.mktemp("compose")
     started: dict[str, subprocess.Popen[bytes]] = {}
     try:
