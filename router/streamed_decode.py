@@ -113,7 +113,12 @@ class StreamedDecode(Generic[T]):
         waits: list[asyncio.Future[Any]] = [first, after]
         await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         if first.done():
-            return first.result()
+            output = first.result()
+            if len(output.continuations) == len(output.choices) and output.continuations:
+                return output
+            raise EngineCallError(
+                f"remote_send for {self.request_id} sent first tokens without their continuations",
+                code=grpc.StatusCode.INTERNAL, address="", stage="remote_send", detail="no continuations")
         after.result()  # raises the send's error
         raise EngineCallError(
             f"remote_send for {self.request_id} ended without the first tokens it was to sample",
