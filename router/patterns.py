@@ -49,8 +49,12 @@ async def _disagg_with_factor(
     recv_rank = engines.device_id_start(decode.address)
     # P samples the first token where it computes the whole rest of the prompt anyway (D's
     # share is only the last position) and both engines serve it: the client's first token
-    # then comes with P's prefill, before the KV transfer and D's first step.
-    sample_first = decode_start == len(prompt) - 1 and calls.samples_first(engines, prefill, decode, attempt)
+    # then comes with P's prefill, before the KV transfer and D's first step. Not for n > 1:
+    # a request of several choices cannot resume once it has streamed (request_runner), so a
+    # D that fails or preempts after the first tokens would end it where, before them, it is
+    # run again.
+    sample_first = decode_start == len(prompt) - 1 and job.sampling.n <= 1 and \
+        calls.samples_first(engines, prefill, decode, attempt)
     ahead = calls.SendAhead(engines, prefill, job, attempt, end=end, receiver=decode.address,
                             sample_first=sample_first) \
         if calls.sends_ahead(engines, prefill, job, attempt) else None
