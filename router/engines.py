@@ -133,9 +133,8 @@ class EngineStream:
         """Abort what `request_id` holds on the engine though nothing of it runs on this
         stream (a PrepRecv reservation no start will take): a `cancel` for an id the stream
         does not know aborts it on the engine, a message instead of an Abort call."""
-        call = self._call
-        if call is not None and call.is_usable():
-            call.write_nowait(_cancel_message(request_id))
+        if self._call is not None:
+            self._cancel_call(self._call, request_id)
 
     async def close(self) -> None:
         if self._call is not None:

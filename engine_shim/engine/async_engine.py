@@ -372,7 +372,8 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start_op(request_id, "remote_send", *self._send_args(request_id, ids, begin, end, cache_salt))
+            await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt,
+                                 self._take_first(request_id))
             is_released = False
             if on_accepted is not None:
                 on_accepted()
@@ -411,14 +412,14 @@ class AsyncEngine:
             if not sink.done.done():
                 sink.done.cancel()
 
-    def _send_args(self, request_id: str, ids: list[int], begin: int, end: int, cache_salt: str) -> tuple[Any, ...]:
-        """The core's remote_send arguments; the first send of an id under sampling_first
-        takes its sampling."""
+    def _take_first(self, request_id: str) -> SamplingParams | None:
+        """The core's remote_send's `first`: the sampling of a sampling_first around it, for
+        the first send of the id only."""
         sink = self._firsts.get(request_id)
         if sink is None or sink.is_taken:
-            return request_id, ids, begin, end, cache_salt
+            return None
         sink.is_taken = True
-        return request_id, ids, begin, end, cache_salt, sink.sampling
+        return sink.sampling
 
     async def generate(
         self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
@@ -431,8 +432,8 @@ class AsyncEngine:
         stream = self._open_stream(self._generate_queues, request_id)
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start_op(request_id, "start_generate",
-                                 *_start_args(request_id, ids, begin, sampling, after_kv, continuations))
+            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling, after_kv,
+                                 tuple(continuations))
             is_done = False
             while True:
                 item = await stream.get()
@@ -467,8 +468,8 @@ class AsyncEngine:
         self._generate_queues[request_id] = stream
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
-            await self._start_op(request_id, "start_generate",
-                                 *_start_args(request_id, ids, begin, sampling, after_kv, continuations))
+            await self._start_op(request_id, "start_generate", request_id, ids, begin, sampling, after_kv,
+                                 tuple(continuations))
             is_done = False
             try:
                 await done
@@ -502,7 +503,8 @@ class AsyncEngine:
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
-            await self._start_op(request_id, "remote_send", *self._send_args(request_id, ids, begin, end, cache_salt))
+            await self._start_op(request_id, "remote_send", request_id, ids, begin, end, cache_salt,
+                                 self._take_first(request_id))
             is_released = False
             item = await stream.get()
             if isinstance(item, BaseException):
@@ -684,17 +686,6 @@ class AsyncEngine:
         self._fail_all(UnavailableError(reason))
         if self._lost_reason is not None and not self._lost_reason.done():
             self._lost_reason.set_result(reason)
-
-
-def _start_args(
-    request_id: str, ids: list[int], begin: int, sampling: SamplingParams, after_kv: bool,
-    continuations: Sequence[Continuation],
-) -> tuple[Any, ...]:
-    """The core's start_generate arguments (continuations only where there are some: the
-    benchmark-only synthetic core takes none)."""
-    if not continuations:
-        return request_id, ids, begin, sampling, after_kv
-    return request_id, ids, begin, sampling, after_kv, tuple(continuations)
 
 
 def _from_position(windows: list[tuple[int, int]], begin: int) -> list[tuple[int, int]]:

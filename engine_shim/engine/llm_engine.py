@@ -52,11 +52,13 @@ from .request import (
     add_token,
     feed_deferred_text,
     finish_choice,
+    first_token_request,
     fork_sequence,
     new_choice,
     replay_tokens,
     restore_sampler_state,
     sampler_state,
+    stop_token_ids,
     take_output,
 )
 from .sampler import SampledToken, is_greedy, is_plain_greedy, sample
@@ -224,7 +226,7 @@ class LLMEngine:
             sampling=sampling,
             max_tokens=max_tokens,
             num_prompt_tokens=len(ids),
-            stop_token_ids=self._stop_token_ids(sampling),
+            stop_token_ids=stop_token_ids(sampling, self.tokenizer.eos_token_ids),
             choices=[] if continuations else [self._new_choice(0, seq, sampling)],
         )
         self._requests[request_id] = request
@@ -419,14 +421,9 @@ class LLMEngine:
         seq.cache_salt = validation.check_cache_salt(cache_salt)
         if first is not None:
             seq.samples_last = True
-            request = GenerateRequest(
-                request_id=request_id, sampling=first, max_tokens=max_tokens, num_prompt_tokens=len(ids),
-                stop_token_ids=self._stop_token_ids(first), choices=[], is_forked=True,
-            )
-            for index in range(first.n):  # each choice's own sequence, never scheduled
-                choice_seq = Sequence(self._next_seq_id_now(), request_id, list(ids), len(ids),
-                                      status=SeqStatus.FINISHED)
-                request.choices.append(self._new_choice(index, choice_seq, first))
+            request = first_token_request(
+                request_id, ids, first, max_tokens, stop_token_ids(first, self.tokenizer.eos_token_ids),
+                self._next_seq_id_now, self._new_choice)
             self._first_samples[request_id] = (seq, request)
         self.disaggregation.add_send(seq, b, e)
         self.scheduler.add(seq)
@@ -684,9 +681,10 @@ class LLMEngine:
         logits = result.host_logits(row) if greedy is None else None
         states: list[bytes] = []
         for choice in request.choices:
-            if logits is None:
-                sampled = SampledToken(greedy if greedy is not None else 0)
+            if greedy is not None:
+                sampled = SampledToken(greedy)
             else:
+                assert logits is not None
                 sampled = sample(logits, request.sampling, (), choice.generator)
             choice.seq.num_cached_tokens = job.num_cached_tokens
             choice.seq.token_ids.append(sampled.token_id)
@@ -753,12 +751,6 @@ class LLMEngine:
 
     def _new_choice(self, index: int, seq: Sequence, sampling: SamplingParams) -> Choice:
         return new_choice(index, seq, sampling, self.tokenizer, self._rng)
-
-    def _stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
-        ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            ids.update(self.tokenizer.eos_token_ids)
-        return frozenset(ids)
 
     def _check_fits_pool(self, num_tokens: int) -> None:
         if num_pages_for(num_tokens, self.page_size) > self.num_pages:

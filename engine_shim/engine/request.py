@@ -8,7 +8,7 @@ logits. The engine shares the pages; what a fork copies and when is decided here
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +28,7 @@ from .api import (
     unpack_output,
 )
 from .sampler import SampledToken, choice_seed
-from .sequence import SeqKind, Sequence
+from .sequence import SeqKind, SeqStatus, Sequence
 
 
 @dataclass(eq=False)
@@ -119,6 +119,27 @@ def new_choice(
         generator=torch.Generator().manual_seed(seed),
         decoder=tokenizer.incremental_decoder(),
     )
+
+
+def stop_token_ids(sampling: SamplingParams, eos_token_ids: Iterable[int]) -> frozenset[int]:
+    """The ids that end a choice: the request's stop tokens, and the model's EOS unless
+    `ignore_eos`."""
+    eos = frozenset() if sampling.ignore_eos else frozenset(eos_token_ids)
+    return frozenset(sampling.stop_token_ids) | eos
+
+
+def first_token_request(
+    request_id: str, ids: list[int], sampling: SamplingParams, max_tokens: int, stop_ids: frozenset[int],
+    new_seq_id: Callable[[], int], new_choice: Callable[[int, Sequence, SamplingParams], Choice],
+) -> GenerateRequest:
+    """The request whose choices a send job that samples (remote_send's `first`) draws the
+    first tokens of: each choice on a sequence of its own holding the prompt, never scheduled."""
+    request = GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
+                              num_prompt_tokens=len(ids), stop_token_ids=stop_ids, choices=[], is_forked=True)
+    for index in range(sampling.n):
+        seq = Sequence(new_seq_id(), request_id, list(ids), len(ids), status=SeqStatus.FINISHED)
+        request.choices.append(new_choice(index, seq, sampling))
+    return request
 
 
 def fork_sequence(parent: Sequence, seq_id: int, choice_index: int) -> Sequence:

@@ -47,7 +47,9 @@ from engine_shim.engine.request import (
     GenerateRequest,
     add_token,
     finish_choice,
+    first_token_request,
     replay_tokens,
+    stop_token_ids,
     take_output,
 )
 from engine_shim.engine.sequence import SeqKind, SeqStatus, Sequence
@@ -171,7 +173,7 @@ class SyntheticCore(TransferOps):
             sampling=sampling,
             max_tokens=max_tokens,
             num_prompt_tokens=len(ids),
-            stop_token_ids=self._stop_token_ids(sampling),
+            stop_token_ids=stop_token_ids(sampling, self.tokenizer.eos_token_ids),
             choices=[] if continuations else [self._new_choice(0, seq, sampling)],
         )
         self._requests[request_id] = request
@@ -211,18 +213,13 @@ class SyntheticCore(TransferOps):
 
     def _first_request(self, request_id: str, ids: list[int], sampling: SamplingParams, max_tokens: int) -> GenerateRequest:
         """The request whose choices a sampling send job draws the first tokens of."""
-        request = GenerateRequest(request_id=request_id, sampling=sampling, max_tokens=max_tokens,
-                                  num_prompt_tokens=len(ids), stop_token_ids=self._stop_token_ids(sampling),
-                                  choices=[], is_forked=True)
-        for index in range(sampling.n):
-            choice_seq = self._new_seq(request_id, list(ids), SeqKind.GENERATE)
-            choice_seq.status = SeqStatus.FINISHED
-            request.choices.append(self._new_choice(index, choice_seq, sampling))
-        return request
+        return first_token_request(request_id, ids, sampling, max_tokens,
+                                   stop_token_ids(sampling, self.tokenizer.eos_token_ids),
+                                   self._next_seq_id_now, self._new_choice)
 
-    def _stop_token_ids(self, sampling: SamplingParams) -> frozenset[int]:
-        eos = frozenset() if sampling.ignore_eos else frozenset(self.tokenizer.eos_token_ids)
-        return frozenset(sampling.stop_token_ids) | eos
+    def _next_seq_id_now(self) -> int:
+        self._next_seq_id += 1
+        return self._next_seq_id
 
     def abort(self, request_id: str) -> bool:
         """Free everything the request holds; True if it was active."""
@@ -367,8 +364,7 @@ class SyntheticCore(TransferOps):
         seq.status = SeqStatus.FINISHED
 
     def _new_seq(self, request_id: str, ids: list[int], kind: SeqKind) -> Sequence:
-        self._next_seq_id += 1
-        return Sequence(self._next_seq_id, request_id, ids, len(ids), kind)
+        return Sequence(self._next_seq_id_now(), request_id, ids, len(ids), kind)
 
     def _new_choice(self, index: int, seq: Sequence, sampling: SamplingParams) -> Choice:
         # No torch generator: the synthetic tokens come from TokenStream.
