@@ -95,7 +95,8 @@ class Backend(Protocol):
     async def shutdown(self) -> None: ...
 
     async def prep_recv(
-        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams,
+        whole_prompt: bool = False,
     ) -> Reservation: ...
 
     async def remote_send(

@@ -79,12 +79,16 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
     ) -> engine_pb2.PrepRecvResponse:
         """PrepRecv, as a unary call or on an Engine.Generate stream (GenerateMultiplexer)."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
-        end = validation.prep_recv_end(request.end, len(tokens))
+        if request.whole_prompt and not self._backend.info.samples_first_token:
+            raise InvalidRequestError(
+                f"whole_prompt: the {self._backend.info.name} backend cannot continue another engine's choices")
+        end = validation.prep_recv_end(request.end, len(tokens), request.whole_prompt)
         self._tracker.begin_prep_recv(request.request_id)
         reserved_end: int | None = None
         try:
             with _span("shim.prep_recv", request.request_id, traceparent):
-                reservation = await self._backend.prep_recv(request.request_id, tokens, end, sampling)
+                reservation = await self._backend.prep_recv(request.request_id, tokens, end, sampling,
+                                                            whole_prompt=request.whole_prompt)
             reserved_end = reservation.end
         finally:
             self._tracker.end_prep_recv(request.request_id, reserved_end)
@@ -108,7 +112,8 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         `target`: where the stream's `send_to` for a send made with kv_addr_follows arrives;
         `on_first`: where the first tokens of a send made with sample_first_token go."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
-        begin, end = validation.remote_send_window(request.begin, request.end, len(tokens))
+        begin, end = validation.remote_send_window(request.begin, request.end, len(tokens),
+                                                   samples_first=request.sample_first_token)
         later = self._checked_follows(request, target, begin, end) if request.kv_addr_follows else None
         if later is None:
             validation.check_kv_addr_info(request.kv_addr_info)
@@ -190,7 +195,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """One request of Engine.Generate, checked as StartGenerate checks it; its outputs go
         to `on_output` as the backend delivers them. Cancelling it aborts the request."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
-        begin = validation.start_generate_begin(request.begin, len(tokens))
+        begin = validation.start_generate_begin(request.begin, len(tokens), continues=bool(request.continuations))
         self._check_after_kv(request)
         continuations = self._checked_continuations(request)
         self._tracker.begin_generate(request.request_id, begin)
@@ -207,7 +212,7 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
         """One request's outputs, checked as StartGenerate checks them (the checks raise on
         the first iteration); closing the generator early aborts the request."""
         tokens, sampling = self._checked(request.request_id, request.token_ids, request.sampling)
-        begin = validation.start_generate_begin(request.begin, len(tokens))
+        begin = validation.start_generate_begin(request.begin, len(tokens), continues=bool(request.continuations))
         self._check_after_kv(request)
         continuations = self._checked_continuations(request)
         self._tracker.begin_generate(request.request_id, begin)

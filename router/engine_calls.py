@@ -36,13 +36,17 @@ Decode = Messages | StreamedDecode[Any]
 
 
 async def prep_recv(
-    engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt, end: int
+    engines: Engines, endpoint: Endpoint, job: EngineJob, attempt: Attempt, end: int,
+    *, whole_prompt: bool = False,
 ) -> tuple[bytes, int]:
     """PrepRecv on the receiver -> (kv_addr_info, prefix_matched_length); the reservation is
-    counted on the engine until start_generate claims it or the attempt closes."""
+    counted on the engine until start_generate claims it or the attempt closes.
+    `whole_prompt`: end may be len(prompt) (a start that continues from the sender's first
+    tokens follows)."""
     attempt.touch(endpoint.address)
     message = engine_pb2.PrepRecvRequest(
-        request_id=job.request_id, token_ids=job.token_ids, end=end, sampling=job.sampling
+        request_id=job.request_id, token_ids=job.token_ids, end=end, sampling=job.sampling,
+        whole_prompt=whole_prompt,
     )
     started_s = time.perf_counter()
     timeout_s = engines.settings.prep_recv_timeout_s

@@ -52,14 +52,18 @@ async def _disagg_with_factor(
     # then comes with P's prefill, before the KV transfer and D's first step. Not for n > 1:
     # a request of several choices cannot resume once it has streamed (request_runner), so a
     # D that fails or preempts after the first tokens would end it where, before them, it is
-    # run again.
-    sample_first = decode_start == len(prompt) - 1 and job.sampling.n <= 1 and \
+    # run again. D then receives the whole prompt's KV (P computed it all) and continues from
+    # len(prompt): its first step is a plain decode of the first token, which joins D's decode
+    # batch as any other row does, where the last prompt position would make it a prefill step.
+    sends_ahead = calls.sends_ahead(engines, prefill, job, attempt)
+    sample_first = sends_ahead and decode_start == len(prompt) - 1 and job.sampling.n <= 1 and \
         calls.samples_first(engines, prefill, decode, attempt)
-    ahead = calls.SendAhead(engines, prefill, job, attempt, end=end, receiver=decode.address,
-                            sample_first=sample_first) \
-        if calls.sends_ahead(engines, prefill, job, attempt) else None
+    window_end = len(prompt) if sample_first else end
+    ahead = calls.SendAhead(engines, prefill, job, attempt, end=window_end, receiver=decode.address,
+                            sample_first=sample_first) if sends_ahead else None
     try:
-        kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, end)
+        kv_addr_info, matched = await calls.prep_recv(engines, decode, job, attempt, window_end,
+                                                      whole_prompt=sample_first)
     except BaseException:
         if ahead is not None:
             await ahead.cancel()
@@ -70,7 +74,7 @@ async def _disagg_with_factor(
         placement.prefix_index.record(prefill.address, prompt[:decode_start], salt)
         placement.prefix_index.record(decode.address, prompt, salt)
 
-    if matched >= decode_start:
+    if matched >= decode_start:  # (a whole-prompt reservation matches at most len - 1)
         if ahead is not None:  # D holds the window: P's computation is undone
             await ahead.cancel()
         record()
@@ -90,7 +94,7 @@ async def _disagg_with_factor(
         record()
 
     if ahead is not None and sample_first:
-        return calls.decode_continuing(engines, decode, job, attempt, decode_start, send, ahead.first)
+        return calls.decode_continuing(engines, decode, job, attempt, len(prompt), send, ahead.first)
     if calls.starts_after_kv(engines, decode, attempt):
         # D's start goes out with P's RemoteSend and begins as the KV lands in D: no round
         # trip through P's answer and this router between the KV and D's first step.

@@ -70,6 +70,10 @@ def cell_figures(
     ttfts = [r.ttft_s for r in records if r.ttft_s is not None and r.started_s >= spec.warmup_s]
     itls = [b - a for r in records for a, b in zip(r.chunk_times_s, r.chunk_times_s[1:], strict=False)
             if a >= spec.warmup_s]
+    # The first token to the second: disagg's hand-off from the prefill engine to the decoding
+    # one (where P samples the first token) shows here, not in the first token.
+    seconds = [r.chunk_times_s[1] - r.chunk_times_s[0] for r in records
+               if len(r.chunk_times_s) > 1 and r.started_s >= spec.warmup_s]
     serving_s: dict[str, float] = {}
     engine_threads: dict[str, float | None] = {}
     cores: dict[str, float] = {}
@@ -97,7 +101,10 @@ def cell_figures(
         # Beside the gateway's and the router's means (their histograms give exact means only).
         "ttft_mean_ms": sum(ttfts) / len(ttfts) * 1e3 if ttfts else None,
         "ttft_added_p50_ms": None if ttft_p50_s is None else (ttft_p50_s - schedule.ttft_s) * 1e3,
+        "itl_p50_ms": percentile(itls, 50) * 1e3 if itls else None,
         "itl_p99_ms": percentile(itls, 99) * 1e3 if itls else None,
+        "second_token_p50_ms": percentile(seconds, 50) * 1e3 if seconds else None,
+        "second_token_p99_ms": percentile(seconds, 99) * 1e3 if seconds else None,
         # > 1 where a hop merged several tokens of a request into one SSE chunk.
         "tokens_per_chunk": num_tokens / num_chunks if num_chunks else None,
         # Serving CPU: each process group, its engine thread (a stand-in for the GPU

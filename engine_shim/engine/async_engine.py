@@ -311,11 +311,12 @@ class AsyncEngine:
         end: int,
         sampling: SamplingParams | None = None,
         held: bool = False,
+        whole_prompt: bool = False,
     ) -> PrepRecvResult:
         """`held`: the reservation has no TTL in the engine; the caller ends it
-        (submit_expire_reservation) or consumes it."""
+        (submit_expire_reservation) or consumes it. `whole_prompt`: as LLMEngine.prep_recv's."""
         result: PrepRecvResult = await self._call(
-            "prep_recv", request_id, list(token_ids), end, sampling, held
+            "prep_recv", request_id, list(token_ids), end, sampling, held, whole_prompt
         )
         return result
 

@@ -19,7 +19,7 @@ takes its input ids from an earlier replay's argmax on the device, gathered by r
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -79,10 +79,12 @@ class DecodeInputs:
 @dataclass
 class Feed:
     """Input ids that live on the device: row i of the step takes source[rows[i]] (the argmax
-    of an earlier step, not yet read back)."""
+    of an earlier step, not yet read back); the rows after those take `host_ids` (sequences
+    that join the chained step, their next token on the host)."""
 
     source: torch.Tensor  # [rows of the earlier step] int64 on the device
     rows: list[int]
+    host_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -216,10 +218,12 @@ class DecodeGraphRunner:
             raise ValueError(f"no captured graph for batch {n}")
         # The last step's copy must have left the pinned buffer before it is rewritten.
         self._copied.synchronize()
+        num_fed = n if feed is None else len(feed.rows)
         if feed is None:
             self._h_ids[:n] = inputs.input_ids
         else:
-            self._h_fed[:n] = feed.rows
+            self._h_fed[:num_fed] = feed.rows
+            self._h_ids[num_fed:n] = feed.host_ids
         self._h_pos[:n] = inputs.positions
         self._h_slots[:n] = inputs.slot_mapping
         self._h_lens[:n] = inputs.context_lens
@@ -228,7 +232,7 @@ class DecodeGraphRunner:
         self._upload(bucket)
         if feed is not None:
             # Stream-ordered: reads the earlier step's argmax before this replay rewrites it.
-            torch.index_select(feed.source, 0, self._fed_rows[:n], out=self.input_ids[:n])
+            torch.index_select(feed.source, 0, self._fed_rows[:num_fed], out=self.input_ids[:num_fed])
         captured = self._graphs[bucket]
         captured.graph.replay()
         self.num_replays += 1

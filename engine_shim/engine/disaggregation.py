@@ -144,8 +144,11 @@ class Disaggregation:
         self, request_id: str, ids: list[int], end: int, cache_salt: str, held: bool = False
     ) -> PrepRecvResult:
         """Pages for positions [0, end) of `ids` (validated): cached prefix pages shared, the
-        rest allocated to await KV. `held`: no TTL here; the caller ends it (expire)."""
-        pages = self.block_manager.acquire_prefix(ids, end, cache_salt)
+        rest allocated to await KV. `held`: no TTL here; the caller ends it (expire). A window
+        of the whole prompt (prep_recv's whole_prompt) takes at most len - 1 positions from
+        the prefix cache: the sender always sends one, so there is always a transfer to wait
+        for and the start never begins on a cached page it would have to write."""
+        pages = self.block_manager.acquire_prefix(ids, min(end, len(ids) - 1), cache_salt)
         matched = len(pages) * self.page_size
         missing = num_pages_for(end, self.page_size) - len(pages)
         if not self.block_manager.can_allocate(missing):

@@ -131,6 +131,7 @@ class LLMEngine:
         self.chain_decode = self.overlap_steps if config.chain_decode is None else config.chain_decode
         self._in_flight: _Launched | None = None
         self.num_chained_steps = 0  # decode steps launched by _launch_chained (for tests, benches)
+        self.num_chain_joins = 0  # waiting sequences those steps took (_chain_joiners)
         self._deferred: dict[str, GenerateRequest] = {}
         self._next_seq_id = 0
         self.num_steps = 0
@@ -198,7 +199,7 @@ class LLMEngine:
         output tokens so far, generator state); each choice goes on from prompt + its tokens."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
-        b = validation.check_start_generate_begin(begin, len(ids))
+        b = validation.check_start_generate_begin(begin, len(ids), continues=bool(continuations))
         max_tokens = validation.check_sampling(
             sampling, self.vocab_size, self.max_context_length, len(ids)
         )
@@ -301,13 +302,17 @@ class LLMEngine:
         end: int,
         sampling: SamplingParams | None = None,
         held: bool = False,
+        whole_prompt: bool = False,
     ) -> PrepRecvResult:
         """Reserve pages for [0, end) of the prompt, to receive its KV. `held`: the
         reservation does not expire by itself; its owner ends it with expire_reservation (the
-        shim, when it owns the TTL: a NIXL write's claim then needs no engine round trip)."""
+        shim, when it owns the TTL: a NIXL write's claim then needs no engine round trip).
+        `whole_prompt`: end may be len(prompt), for a start that continues from the sender's
+        first tokens (its first step then decodes the first token; the prefix cache never
+        covers the last prompt position, which the sender always sends)."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
-        e = validation.check_prep_recv_end(end, len(ids))
+        e = validation.check_prep_recv_end(end, len(ids), whole_prompt)
         if sampling is not None:
             validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
         if self.is_active(request_id):
@@ -408,7 +413,7 @@ class LLMEngine:
         them (after the SendReady, which does not wait for them)."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
-        b, e = validation.check_remote_send_window(begin, end, len(ids))
+        b, e = validation.check_remote_send_window(begin, end, len(ids), samples_first=first is not None)
         max_tokens = 0
         if first is not None:
             max_tokens = validation.check_sampling(first, self.vocab_size, self.max_context_length, len(ids))
@@ -536,9 +541,12 @@ class LLMEngine:
         run after collecting: nothing waits, every running sequence is one of previous's rows
         and none has a token pending. A sequence that finishes with previous's token wastes
         its row of this step (its KV write lands in its own pages, released after this launch
-        and reused only by later work on the same stream)."""
+        and reused only by later work on the same stream). Waiting sequences that are decodes
+        too (`_chain_joiners`: a continuation from a whole-prompt reservation) join the step
+        as rows of their own, their input ids from the host, admitted as schedule() would."""
         result = previous.result
-        if result.argmax is None or self.scheduler.waiting or not self.scheduler.running:
+        joiners = self._chain_joiners()
+        if result.argmax is None or joiners is None or not self.scheduler.running:
             return None
         rows: list[int] = []
         batch: list[ScheduledSeq] = []
@@ -556,12 +564,36 @@ class LLMEngine:
             batch.append(ScheduledSeq(seq, 1))
         if len(batch) != len(self.scheduler.running):
             return None  # another sequence (a prefill, a send job) needs schedule()
-        for item in batch:  # the page of each next position; none free: schedule() decides
+        for item in [*batch, *(ScheduledSeq(seq, 1) for seq in joiners)]:
+            # the page of each next position; none free: schedule() decides
             if not self.scheduler.ensure_pages(item.seq, 1):
                 return None
-        result = self.runner.run(batch, [True] * len(batch), feed=Feed(result.argmax, rows))
+        self.scheduler.admit_decodes(joiners)
+        batch += [ScheduledSeq(seq, 1) for seq in joiners]
+        host_ids = [seq.token_ids[seq.num_computed_tokens] for seq in joiners]
+        result = self.runner.run(batch, [True] * len(batch), feed=Feed(result.argmax, rows, host_ids))
         self.num_chained_steps += 1
+        self.num_chain_joins += len(joiners)
         return _Launched(batch, result, chained=True)
+
+    def _chain_joiners(self) -> list[Sequence] | None:
+        """Every waiting sequence, where each is a decode schedule() would admit this step:
+        a generate sequence whose KV is all in its pages but its next token's (one position
+        to compute, that token on the host), which is what a continuation from a whole-prompt
+        reservation starts as. None where one needs more (a prefill: the step is schedule()'s)
+        or they would not all fit the step's sequences."""
+        scheduler = self.scheduler
+        waiting = scheduler.waiting
+        if not waiting:
+            return []
+        if len(scheduler.running) + len(waiting) > scheduler.max_num_seqs or \
+                len(waiting) > scheduler.prefill_chunk_size:
+            return None
+        for seq in waiting:
+            if seq.kind is not SeqKind.GENERATE or seq.num_pending_tokens != 1 or \
+                    seq.num_computed_tokens == 0 or not seq.block_table:
+                return None
+        return list(waiting)
 
     def _chains(self, request: GenerateRequest) -> bool:
         return request.can_defer_text and is_plain_greedy(request.sampling)

@@ -317,7 +317,10 @@ class ModelRunner:
 
 def _fed_ids(feed: Feed, device: torch.device) -> torch.Tensor:
     rows = torch.tensor(feed.rows, dtype=torch.int64).to(device, non_blocking=True)
-    return feed.source.index_select(0, rows)
+    fed = feed.source.index_select(0, rows)
+    if not feed.host_ids:
+        return fed
+    return torch.cat([fed, torch.tensor(feed.host_ids, dtype=torch.int64).to(device, non_blocking=True)])
 
 
 def _is_fed_decode(batch: list[ScheduledSeq]) -> bool:

@@ -174,6 +174,15 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, num_tokens))
             budget -= num_tokens
 
+    def admit_decodes(self, seqs: list[Sequence]) -> None:
+        """Waiting sequences that each compute one position, their pages ensured (a chained
+        step's joiners, LLMEngine._chain_joiners), admitted in order as _admit_waiting admits."""
+        for seq in seqs:
+            self._record_admission(seq)
+            self.waiting.remove(seq)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+
     def _match_prefix(self, seq: Sequence) -> bool:
         if seq.block_table or seq.num_computed_tokens:
             return False  # it came with KV (a prep_recv reservation)

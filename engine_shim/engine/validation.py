@@ -44,31 +44,37 @@ def normalize_index(index: int, length: int, name: str) -> int:
     return index + length if index < 0 else index
 
 
-def check_prep_recv_end(end: int, length: int) -> int:
-    """MLC: 0 <= end < len(prompt) after normalisation."""
+def check_prep_recv_end(end: int, length: int, whole_prompt: bool = False) -> int:
+    """MLC: 0 <= end < len(prompt) after normalisation; `whole_prompt` (a reservation for a
+    start that continues from the sender's first tokens): end = len(prompt) too."""
     e = normalize_index(end, length, "end")
-    if not 0 <= e < length:
-        raise InvalidRequestError(f"end={end} outside [0, {length}) for a prompt of {length}")
+    if not 0 <= e <= (length if whole_prompt else length - 1):
+        raise InvalidRequestError(
+            f"end={end} outside [0, {length}{']' if whole_prompt else ')'} for a prompt of {length}")
     return e
 
 
-def check_remote_send_window(begin: int, end: int, length: int) -> tuple[int, int]:
-    """MLC: 0 <= begin < end < len(prompt) after normalisation."""
+def check_remote_send_window(
+    begin: int, end: int, length: int, samples_first: bool = False
+) -> tuple[int, int]:
+    """MLC: 0 <= begin < end < len(prompt) after normalisation; `samples_first` (the sender
+    computes the whole prompt anyway): end = len(prompt) too."""
     b = normalize_index(begin, length, "begin")
     e = normalize_index(end, length, "end")
-    if not 0 <= b < e < length:
+    if not 0 <= b < e <= (length if samples_first else length - 1):
         raise InvalidRequestError(
-            f"window [begin={begin}, end={end}) invalid for a prompt of {length}: "
-            "need 0 <= begin < end < len(prompt)"
+            f"window [begin={begin}, end={end}) invalid for a prompt of {length}: need 0 <= "
+            f"begin < end {'<=' if samples_first else '<'} len(prompt)"
         )
     return b, e
 
 
-def check_start_generate_begin(begin: int, length: int) -> int:
-    """MLC: 0 <= begin < len(prompt) after normalisation."""
+def check_start_generate_begin(begin: int, length: int, continues: bool = False) -> int:
+    """MLC: 0 <= begin < len(prompt) after normalisation; `continues` (the choices go on from
+    tokens sampled elsewhere, which are computed here): begin = len(prompt) too."""
     b = normalize_index(begin, length, "begin")
-    if not 0 <= b < length:
-        raise InvalidRequestError(f"begin={begin} outside [0, {length})")
+    if not 0 <= b <= (length if continues else length - 1):
+        raise InvalidRequestError(f"begin={begin} outside [0, {length}{']' if continues else ')'}")
     return b
 
 

@@ -44,6 +44,7 @@ class PrepRecvRequest(_message.Message):
     END_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TRACEPARENT_FIELD_NUMBER: _builtins.int
+    WHOLE_PROMPT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Caller-chosen id of the request; the same id is used for RemoteSend on the sender and
     StartGenerate here. 1..256 printable ASCII characters.
@@ -53,6 +54,15 @@ class PrepRecvRequest(_message.Message):
     traceparent: _builtins.str
     """W3C trace context of the request, for a PrepRecv on an Engine.Generate stream (no
     per-call metadata there); empty: none. The unary call carries `traceparent` metadata.
+    """
+    whole_prompt: _builtins.bool
+    """The window may end at the prompt's end (end = len(prompt)): the start that
+    follows continues from first tokens its sender sampled (RemoteSendRequest.sample_first_token,
+    StartGenerateRequest.continuations, begin = len(prompt)), so this engine computes none of
+    the prompt and its first step is a plain decode of the first token. The reservation then
+    never takes the last prompt position from the prefix cache: the sender sends at least it.
+    Without it, MLC's rule: end < len(prompt). Engines that cannot (the MLC backend) refuse
+    it (INVALID_ARGUMENT); GetStatusResponse.samples_first_token says an engine can.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -70,10 +80,11 @@ class PrepRecvRequest(_message.Message):
         end: _builtins.int = ...,
         sampling: _common_pb2.SamplingParams | None = ...,
         traceparent: _builtins.str = ...,
+        whole_prompt: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["end", b"end", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "traceparent", b"traceparent", "whole_prompt", b"whole_prompt"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -163,8 +174,10 @@ class RemoteSendRequest(_message.Message):
     choice ended there) and what a receiver needs to continue them
     (GenerateOutput.continuations), before the call's result. The client gets its first
     token without waiting for the KV transfer or the receiver's first step; the receiver
-    continues with StartGenerateRequest.continuations. Only on Engine.Generate, only engines
-    whose status has `samples_first_token`; others refuse it (INVALID_ARGUMENT).
+    continues with StartGenerateRequest.continuations. The window may then end at the
+    prompt's end (end = len(prompt), into a PrepRecv made with whole_prompt). Only on
+    Engine.Generate, only engines whose status has `samples_first_token`; others refuse it
+    (INVALID_ARGUMENT).
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -345,8 +358,8 @@ class StartGenerateRequest(_message.Message):
         """The request's output began on another engine (a RemoteSend with sample_first_token):
         one entry per choice, in index order; each choice continues from prompt + its tokens,
         which count as output (max_tokens, penalties, stop strings, usage) and are not output
-        again. `begin` is at most len(token_ids) - 1: the positions from `begin` on are computed
-        here with the choices' tokens. Only engines whose status has `samples_first_token`.
+        again. `begin` is at most len(token_ids) (len(token_ids) after a PrepRecv made with
+        whole_prompt): the positions from `begin` on are computed here with the choices' tokens. Only engines whose status has `samples_first_token`.
         """
 
     def __init__(

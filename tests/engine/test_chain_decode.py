@@ -123,3 +123,48 @@ def test_a_pool_too_small_for_the_next_page_falls_back_to_the_scheduler(
     for request_id in first:
         assert _summary(got[request_id])[:3] == _summary(expected[request_id])[:3], request_id
     assert chained.status().num_free_pages == 14
+
+
+def test_a_continuation_joins_the_chain(make_engine: Callable[..., LLMEngine]) -> None:
+    """A continuation from a whole-prompt reservation (the prefill engine sampled its first
+    token and sent the whole prompt's KV) has one position to compute: it joins the running
+    chain as a row fed from the host, not a step of schedule()'s. Every request's output is
+    the plain engine's, the continuation's is one engine alone's, every page comes back."""
+    from engine_shim.engine.disaggregation import FirstTokens
+
+    prefill = make_engine(page_size=4)
+    plain, chained = _engines(make_engine, page_size=4)
+    prompt, sampling = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7], _greedy(14)
+    alone = _summary(_drive(make_engine(page_size=4), {"c": (prompt, sampling)})["c"])[0]
+    prefill.remote_send("c", prompt, 0, len(prompt), first=sampling)
+    first: FirstTokens | None = None
+    while first is None or not prefill.disaggregation.sends["c"].is_ready:
+        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
+    chunks = [prefill.export_kv("c", b, n) for b, n in prefill.export_windows("c")]
+    prefill.finish_remote_send("c")
+    assert isinstance(first.output, GenerateOutput)
+    t0 = first.output.deltas[0].token_ids[0]
+    running = {"a": ([1, 2, 3, 4, 5, 6, 7], _greedy(30)), "b": ([4] * 9, _greedy(25))}
+    results: list[dict[str, list[GenerateOutput]]] = []
+    for engine in (plain, chained):
+        for request_id, (ids, params) in running.items():
+            engine.add_request(request_id, ids, params)
+        outputs: dict[str, list[GenerateOutput]] = {}
+        steps = 0
+        while engine.has_work or steps < 6:
+            steps += 1
+            if steps == 6:  # mid-chain
+                engine.prep_recv("c", prompt, len(prompt), sampling, whole_prompt=True)
+                for chunk in chunks:
+                    engine.import_kv("c", chunk)
+                engine.start_generate("c", prompt, len(prompt), sampling, continuations=[(0, (t0,), b"")])
+            for event in engine.step():
+                assert isinstance(event, GenerateOutput)
+                outputs.setdefault(event.request_id, []).append(event)
+            assert steps < 500
+        results.append(outputs)
+        assert engine.status().num_free_pages == engine.num_pages
+    want, got = results
+    assert {k: _summary(v)[:3] for k, v in got.items()} == {k: _summary(v)[:3] for k, v in want.items()}
+    assert [t0, *_summary(got["c"])[0]] == alone
+    assert chained.num_chain_joins == 1 and plain.num_chain_joins == 0

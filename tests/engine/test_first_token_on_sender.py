@@ -57,10 +57,13 @@ def alone(engine: LLMEngine, ids: list[int], sampling: SamplingParams) -> tuple[
 
 def first_then_continue(
     prefill: LLMEngine, decode: LLMEngine, ids: list[int], sampling: SamplingParams,
+    whole: bool = False,
 ) -> tuple[Flat, list[GenerateOutput], FirstTokens]:
-    """MLC's window (D computes from the prompt's last position), P sampling the first
-    tokens; D starts with P's continuations once the KV is in."""
-    recv = decode.prep_recv("pd", ids, -1, sampling)
+    """MLC's window (D computes from the prompt's last position) or, `whole`, the whole
+    prompt's (prep_recv's whole_prompt: D computes only the first token), P sampling the
+    first tokens; D starts with P's continuations once the KV is in."""
+    recv = decode.prep_recv("pd", ids, len(ids), sampling, whole_prompt=True) if whole else \
+        decode.prep_recv("pd", ids, -1, sampling)
     prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end, first=sampling)
     first: FirstTokens | None = None
     is_ready = False
@@ -106,14 +109,15 @@ SAMPLINGS = {
 }
 
 
+@pytest.mark.parametrize("whole", [False, True], ids=["mlc-window", "whole-prompt"])
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 @pytest.mark.parametrize("length", [9, 130])
-def test_matches_one_engine(trio, name: str, length: int) -> None:
+def test_matches_one_engine(trio, name: str, length: int, whole: bool) -> None:
     single, prefill, decode = trio
     sampling = SAMPLINGS[name]
     ids = random_prompt(length, length)
     expected, _ = alone(single, ids, sampling)
-    got, _, first = first_then_continue(prefill, decode, ids, sampling)
+    got, _, first = first_then_continue(prefill, decode, ids, sampling, whole)
     assert_same(got, expected)
     assert len(got) == sampling.n
     # the first output is one token per choice; greedy sampling carries no generator state
@@ -231,3 +235,58 @@ def test_matches_one_engine_with_overlapped_steps(make_engine, name: str) -> Non
     got, _, _ = first_then_continue(prefill, decode, ids, sampling)
     assert_same(got, expected)
     _all_pages_back(single, prefill, decode)
+
+
+def test_whole_prompt_window_starts_with_a_plain_decode(trio) -> None:
+    """prep_recv(whole_prompt) reserves [0, len); P's send covers it; D's continuation from
+    len(prompt) has one position to compute, the first token's: a decode row, no prefill."""
+    _, prefill, decode = trio
+    sampling = SAMPLINGS["greedy"]
+    ids = random_prompt(40, 40)
+    recv = decode.prep_recv("pd", ids, len(ids), sampling, whole_prompt=True)
+    assert recv.end == len(ids)
+    prefill.remote_send("pd", ids, 0, len(ids), first=sampling)
+    first = None
+    while first is None or not prefill.disaggregation.sends["pd"].is_ready:
+        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
+    assert prefill.export_windows("pd")[-1][0] + prefill.export_windows("pd")[-1][1] == len(ids)
+    for begin, num_tokens in prefill.export_windows("pd"):
+        decode.import_kv("pd", prefill.export_kv("pd", begin, num_tokens))
+    prefill.finish_remote_send("pd")
+    assert isinstance(first.output, GenerateOutput)
+    decode.start_generate("pd", ids, len(ids), sampling,
+                          continuations=[(0, tuple(first.output.deltas[0].token_ids), b"")])
+    (seq,) = decode.scheduler.waiting
+    assert seq.num_computed_tokens == len(ids) and seq.num_pending_tokens == 1
+    decode.run_until_done()
+    _all_pages_back(prefill, decode)
+
+
+def test_whole_prompt_reservation_leaves_the_last_position_to_the_sender(make_engine) -> None:
+    """A prompt the receiver holds whole in its prefix cache: a whole-prompt reservation
+    matches at most len - 1 positions (the sender always sends the last one), MLC's window
+    as before."""
+    engine = make_engine(page_size=4)
+    ids = random_prompt(5, 16)  # four full pages
+    engine.start_generate("warm", ids, 0, SamplingParams(temperature=0.0, max_tokens=2))
+    engine.run_until_done()
+    whole = engine.prep_recv("w", ids, len(ids), whole_prompt=True)
+    assert whole.end == len(ids) and whole.prefix_matched_length == 12
+    engine.abort("w")
+
+
+def test_whole_windows_only_where_asked(make_engine) -> None:
+    """end = len(prompt) needs whole_prompt (prep_recv), a sampling sender (remote_send),
+    continuations (start_generate): MLC's rules otherwise."""
+    engine = make_engine()
+    ids = random_prompt(6, 20)
+    greedy = SAMPLINGS["greedy"]
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.prep_recv("a", ids, len(ids))
+    with pytest.raises(InvalidRequestError, match="< len"):
+        engine.remote_send("b", ids, 0, len(ids))
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.start_generate("c", ids, len(ids), greedy)
+    with pytest.raises(InvalidRequestError, match="outside"):
+        engine.prep_recv("d", ids, len(ids) + 1, whole_prompt=True)
+    assert not engine.has_work

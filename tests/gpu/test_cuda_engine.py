@@ -220,6 +220,54 @@ def test_chained_graph_decode_equals_the_plain_engine() -> None:
     assert chained.status().num_free_pages == baseline
 
 
+def test_a_continuation_joins_the_chained_graph_step() -> None:
+    """A continuation from a whole-prompt reservation (the prefill engine sampled its first
+    token and sent the whole prompt's KV) joins the running chain through the graphs: its
+    row's input id comes from the host, the others' from the previous replay's argmax. Every
+    request's tokens are the plain engine's; the continuation's are one engine alone's (fp32,
+    as above)."""
+    from engine_shim.engine.disaggregation import FirstTokens
+
+    prefill = _cuda_engine(dtype="float32")
+    chained, plain = _cuda_engine(dtype="float32"), _cuda_engine(dtype="float32", overlap_steps=False)
+    assert chained.chain_decode and chained.runner.graphs is not None
+    prompt = _prompt(500, 70)
+    alone = _tokens(_cuda_engine(dtype="float32"), {"c": prompt}, GREEDY)["c"]
+    prefill.remote_send("c", prompt, 0, len(prompt), first=GREEDY)
+    first = None
+    while first is None or not prefill.disaggregation.sends["c"].is_ready:
+        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
+    chunks = [prefill.export_kv("c", b, n) for b, n in prefill.export_windows("c")]
+    prefill.finish_remote_send("c")
+    t0 = first.output.deltas[0].token_ids[0]
+    running = {f"r{i}": _prompt(510 + i, 9 + 13 * i) for i in range(5)}
+
+    def run(engine: LLMEngine) -> dict[str, list[int]]:
+        baseline = engine.status().num_free_pages
+        for request_id, ids in running.items():
+            engine.add_request(request_id, ids, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+        tokens: dict[str, list[int]] = {}
+        steps = 0
+        while engine.has_work or steps < 8:
+            steps += 1
+            if steps == 8:  # mid-chain
+                engine.prep_recv("c", prompt, len(prompt), GREEDY, whole_prompt=True)
+                for chunk in chunks:
+                    engine.import_kv("c", chunk)
+                engine.start_generate("c", prompt, len(prompt), GREEDY, continuations=[(0, (t0,), b"")])
+            for event in engine.step():
+                for delta in getattr(event, "deltas", ()):
+                    tokens.setdefault(event.request_id, []).extend(delta.token_ids)
+        assert engine.status().num_free_pages == baseline
+        return tokens
+
+    replays = chained.runner.graphs.num_replays
+    got, expected = run(chained), run(plain)
+    assert got == expected and len(got) == 6
+    assert [t0, *got["c"]] == alone
+    assert chained.num_chain_joins == 1 and chained.runner.graphs.num_replays - replays >= 20
+
+
 def test_batched_decode_of_16_mixed_lengths_equals_each_alone() -> None:
     # fp32: in bf16, cuBLAS picks other kernels for other batch sizes and near-ties of a
     # random model flip (seen on the H200); batching itself must not change anything.

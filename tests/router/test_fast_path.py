@@ -131,8 +131,15 @@ async def test_fast_path_streams_what_translate_request_streams(shims, pattern: 
     for name in ("plain", "logprobs", "stop", "n2"):
         got, want = fast[name], programmable[name]
         assert "error" not in got and got["first"] in ("delta", "prompt"), name
-        for key in ("ids", "text", "logprobs", "finish", "usage", "prompt"):
+        for key in ("ids", "text", "logprobs", "finish", "prompt"):
             assert got.get(key) == want.get(key), (name, key)
+        # Where P samples the first token (disagg on the engine's stream, n = 1), D receives
+        # the whole prompt's KV: one position more than MLC's window, the rest of usage equal.
+        got_usage, want_usage = (common_pb2.Usage.FromString(seen_[name]["usage"]) for seen_ in (fast, programmable))
+        samples_first = pattern == "disagg" and engine_stream and name != "n2"
+        assert got_usage.kv_transferred_tokens == want_usage.kv_transferred_tokens + samples_first, name
+        got_usage.kv_transferred_tokens = want_usage.kv_transferred_tokens
+        assert got_usage == want_usage, name
         for index, values in want["logprob_values"].items():
             assert got["logprob_values"][index] == pytest.approx(values, abs=1e-3), name
         assert len(got["engines"]) == len(want["engines"]), name

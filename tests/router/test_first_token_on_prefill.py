@@ -4,8 +4,9 @@ token of each choice before its KV moves, the router relays it to the client at 
 continues from it (StartGenerateRequest.continuations). The client's output -- tokens, text,
 finish reasons, usage -- is the one MLC's protocol gives (D sampling every token) and one
 engine alone's, for seeded sampling, logprobs and stop strings (n > 1 keeps MLC's protocol:
-it cannot resume after streaming); a request that ends with its first token never starts on
-D and leaves nothing reserved there."""
+it cannot resume after streaming); D receives the whole prompt's KV and computes only the
+first token; a request that ends with its first token never starts on D and leaves nothing
+reserved there."""
 
 from __future__ import annotations
 
@@ -104,6 +105,11 @@ async def test_same_output_as_mlc_protocol_and_one_engine(shims, name: str) -> N
     assert got.done is not None and want.done is not None
     assert got.done.usage.completion_tokens == want.done.usage.completion_tokens == max(sampling.n, 1) * sampling.max_tokens
     assert set(got.done.engines) == {shims[0].address, shims[1].address}
+    # With P sampling, D receives the whole prompt's KV (PrepRecv's whole_prompt) and computes
+    # only the first token; with MLC's protocol, all but the last position (D's prefix cache
+    # holds a part of it the second time).
+    for result, received in ((got, len(tokens) - (0 if sampling.n <= 1 else 1)), (want, len(tokens) - 1)):
+        assert result.done.usage.kv_transferred_tokens + result.done.usage.cached_tokens == received
     if sampling.n <= 1:
         assert got.token_ids == await engine_alone(shims[2].address, tokens, sampling, f"alone-{next(_ids)}")
 

@@ -33,10 +33,12 @@ async def _prep(
     tokens: list[int] = PROMPT,
     end: int = -1,
     sampling: common_pb2.SamplingParams | None = None,
+    whole_prompt: bool = False,
 ):
     return await stub.PrepRecv(
         engine_pb2.PrepRecvRequest(
-            request_id=request_id, token_ids=tokens, end=end, sampling=sampling or greedy()
+            request_id=request_id, token_ids=tokens, end=end, sampling=sampling or greedy(),
+            whole_prompt=whole_prompt,
         )
     )
 
@@ -76,6 +78,8 @@ BAD_CALLS: dict[str, tuple[Callable[[Stub], Awaitable[object]], grpc.StatusCode]
     "negative token id": (lambda s: _prep(s, tokens=[-1, *PROMPT]), Code.INVALID_ARGUMENT),
     "prep_recv end >= len": (lambda s: _prep(s, end=len(PROMPT)), Code.INVALID_ARGUMENT),
     "prep_recv end below -len": (lambda s: _prep(s, end=-len(PROMPT) - 1), Code.INVALID_ARGUMENT),
+    "prep_recv whole_prompt end > len": (
+        lambda s: _prep(s, end=len(PROMPT) + 1, whole_prompt=True), Code.INVALID_ARGUMENT),
     "remote_send begin >= end": (lambda s: _send(s, 10, 10), Code.INVALID_ARGUMENT),
     "remote_send end >= len": (lambda s: _send(s, 0, len(PROMPT)), Code.INVALID_ARGUMENT),
     "remote_send malformed kv_addr_info": (

@@ -319,3 +319,28 @@ async def test_the_mlc_backend_refuses_a_send_whose_receiver_follows(mlc_pair) -
         assert output.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
         assert "kv_addr_follows" in output.error.message
         call.cancel()
+
+
+async def test_the_mlc_backend_offers_no_first_token_flow_and_refuses_its_calls(mlc_pair) -> None:
+    """MLC's engines cannot sample on the sending side nor continue another engine's choices:
+    the status does not offer it, and a whole-prompt PrepRecv or a start with continuations
+    is refused with a message, the engine untouched."""
+    tokens = [t + 60 for t in PROMPT]
+    d_channel, d_stub = engine_stub(mlc_pair["decode"].address)
+    async with d_channel:
+        status = await d_stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert not status.samples_first_token
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await d_stub.PrepRecv(engine_pb2.PrepRecvRequest(
+                request_id="whole", token_ids=tokens, end=len(tokens), sampling=greedy(), whole_prompt=True))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "whole_prompt" in (refused.value.details() or "")
+        start = engine_pb2.StartGenerateRequest(
+            request_id="continues", token_ids=tokens, begin=len(tokens), sampling=greedy(),
+            continuations=[engine_pb2.ChoiceContinuation(index=0, token_ids=[5])])
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await _drain(d_stub.StartGenerate(start))
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "continuations" in (refused.value.details() or "")
+        after = await d_stub.GetStatus(engine_pb2.GetStatusRequest())
+        assert after.num_reserved_requests == 0

@@ -217,13 +217,14 @@ class EmbeddedBackend:
         return KVTransferServicer(self._table, self, lambda: self._nixl, on_hold)
 
     async def prep_recv(
-        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams,
+        whole_prompt: bool = False,
     ) -> Reservation:
         # Where a NIXL write may come, the ticket's TTL is the reservation's only one (the
         # engine's has none): a claim then begins the write without the engine's round trip.
         held = self._nixl is not None
         call = asyncio.ensure_future(
-            self.engine.prep_recv(request_id, list(token_ids), end, sampling, held)
+            self.engine.prep_recv(request_id, list(token_ids), end, sampling, held, whole_prompt)
         )
         try:
             result = await asyncio.shield(call)

@@ -158,8 +158,11 @@ class MLCBackend:
         return protocol.completion_body(self._model_name, request_id, token_ids, sampling)
 
     async def prep_recv(
-        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams
+        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams,
+        whole_prompt: bool = False,
     ) -> Reservation:
+        if whole_prompt:  # the servicer refuses it first (info.samples_first_token is off)
+            raise InvalidRequestError("whole_prompt: an MLC engine receives at most len(prompt) - 1 positions")
         body = protocol.prep_recv_body(self._base(request_id, token_ids, sampling), end)
         reply = await self._post("/microserving/prep_recv", body)
         metadata = str(reply["kv_append_metadata"])

@@ -143,7 +143,7 @@ class SyntheticCore(TransferOps):
         """As LLMEngine.start_generate, `after_kv` and `continuations` included."""
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
-        b = validation.check_start_generate_begin(begin, len(ids))
+        b = validation.check_start_generate_begin(begin, len(ids), continues=bool(continuations))
         max_tokens = validation.check_sampling(
             sampling, self.vocab_size, self.max_context_length, len(ids)
         )
@@ -241,15 +241,17 @@ class SyntheticCore(TransferOps):
         called_at = self._clock()
         self.reap_expired_reservations()
         decoding = list(self._running)
-        prefilling, num_prefill_tokens = self._admit()
+        prefilling, num_prefill_tokens, joins = self._admit()
         batch_size = len(decoding) + len(prefilling)
         if batch_size == 0:
             self._device.idle()
             if self._waiting and not self._events:
                 self._sleep(_BLOCKED_WAIT_S)
             return self._take_events()
+        # As the engine's chained steps: new sequences that only decode (continuations from a
+        # whole-prompt reservation) join the chain; any prefill needs the host's schedule.
         ends_at = self._device.step_ends_at(
-            called_at, self.profile.step_s(batch_size, num_prefill_tokens), is_chained=not prefilling
+            called_at, self.profile.step_s(batch_size, num_prefill_tokens), is_chained=joins
         )
         touched: dict[str, GenerateRequest] = {}
         for seq in decoding:
@@ -265,17 +267,23 @@ class SyntheticCore(TransferOps):
             self._sleep(remaining_s)
         return self._take_events()
 
-    def _admit(self) -> tuple[list[Sequence], int]:
+    def _admit(self) -> tuple[list[Sequence], int, bool]:
         """Sequences whose prompt KV this step computes (in arrival order, within the prefill
-        chunk and max_num_seqs), and how many prompt tokens that is."""
+        chunk and max_num_seqs), how many prompt tokens that is (a sequence with only its next
+        token to compute decodes: none), and whether every waiting sequence was such a decode
+        (admitted or not)."""
         budget = self.config.prefill_chunk_size
         admitted: list[Sequence] = []
+        num_prefill_tokens = 0
+        joins = all(seq.num_pending_tokens == 1 and seq.num_computed_tokens > 0 for seq in self._waiting)
         for seq in self._waiting:
             if budget == 0 or len(self._running) + len(admitted) >= self.config.max_num_seqs:
                 break
             if not self.pages.grow(seq.block_table, seq.num_tokens):
                 break  # first come, first served: later ones wait too
             num_tokens = min(seq.num_pending_tokens, budget)
+            if seq.num_pending_tokens > 1 or seq.num_computed_tokens == 0:
+                num_prefill_tokens += num_tokens
             seq.num_computed_tokens += num_tokens
             seq.status = SeqStatus.RUNNING
             budget -= num_tokens
@@ -283,7 +291,7 @@ class SyntheticCore(TransferOps):
         for seq in admitted:
             if seq.num_pending_tokens == 0:
                 self._waiting.remove(seq)
-        return admitted, self.config.prefill_chunk_size - budget
+        return admitted, num_prefill_tokens, joins
 
     def _on_prefilled(self, seq: Sequence, touched: dict[str, GenerateRequest]) -> None:
         if seq.kind is SeqKind.SEND:

@@ -91,11 +91,11 @@ class TransferOps:
     # ---- receiving ----
     def prep_recv(
         self, request_id: str, token_ids: SequenceT[int], end: int,
-        sampling: SamplingParams | None = None, held: bool = False,
+        sampling: SamplingParams | None = None, held: bool = False, whole_prompt: bool = False,
     ) -> PrepRecvResult:
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
-        e = validation.check_prep_recv_end(end, len(ids))
+        e = validation.check_prep_recv_end(end, len(ids), whole_prompt)
         if sampling is not None:
             validation.check_sampling(sampling, self.vocab_size, self.max_context_length, len(ids))
         if self.is_active(request_id):
@@ -186,7 +186,7 @@ class TransferOps:
         del cache_salt
         request_id = validation.check_request_id(request_id)
         ids = validation.check_token_ids(token_ids, self.vocab_size)
-        b, e = validation.check_remote_send_window(begin, end, len(ids))
+        b, e = validation.check_remote_send_window(begin, end, len(ids), samples_first=first is not None)
         max_tokens = 0
         if first is not None:
             max_tokens = validation.check_sampling(first, self.vocab_size, self.max_context_length, len(ids))
