@@ -20,6 +20,9 @@ run() {  # tree, label, patterns...
   cp /tmp/$label/cells.jsonl $O/$label.cells.jsonl 2>/dev/null
   grep -h -E "^\| |round [0-9]:" $O/$label.log | cut -c1-300
 }
+echo "== gpu tests of chained steps $(date +%T)"
+PYTHONPATH=$NEW:/tmp/site timeout ${T_TESTS:-150} python3 -m pytest -q tests/gpu -k chain \
+  -p no:cacheprovider > $O/gpu_tests.log 2>&1; tail -3 $O/gpu_tests.log
 run $NEW new1 disagg
 run $OLD old disagg
 run $NEW new2 disagg round-robin
