@@ -25,5 +25,5 @@ PYTHONPATH=$NEW:/tmp/site timeout ${T_TESTS:-150} python3 -m pytest -q tests/gpu
   -p no:cacheprovider > $O/gpu_tests.log 2>&1; tail -3 $O/gpu_tests.log
 run $NEW new1 disagg
 run $OLD old disagg
-run $NEW new2 disagg round-robin
+T=230 run $NEW new2 disagg round-robin
 echo "== end $(date +%T)"
