@@ -29,7 +29,7 @@ class _Engine:
         self.calls: list[tuple[Any, ...]] = []
 
     async def prep_recv(self, request_id: str, token_ids: list[int], end: int,
-                        sampling: Any, held: bool = False) -> PrepRecvResult:
+                        sampling: Any, held: bool = False, whole_prompt: bool = False) -> PrepRecvResult:
         self.held.append(held)
         self.called.set()
         return await self.answer
