@@ -69,13 +69,18 @@ async def test_open_loop_arrivals_follow_the_seeded_poisson_schedule() -> None:
     rate, seed, count = 25.0, 7, 20
     await _run(timing, LoadShape(request_rate=rate, seed=seed), num_prompts=count)
     planned = arrival_times_s(count, rate, seed)
-    seen = [t - timing.arrivals_s[0] for t in timing.arrivals_s]
-    assert len(seen) == count
-    # Loose, for a machine with both cores busy (0.05 s failed there): `seen` counts from the
-    # first arrival, which may itself be late; sending all at once still misses these bounds
-    # (the plan spans about half a second).
-    for at_plan, at_server in zip(planned, seen, strict=True):
-        assert at_plan - 0.25 <= at_server <= at_plan + 0.5
+    assert len(timing.arrivals_s) == count
+    # The server's clock against the plan's, aligned by the median request's delay: a request
+    # held up on a busy 2-core machine (the first one came 0.27 s late in a CI run, which
+    # made every offset from it wrong) moves only itself. Most arrive on the plan's beat; none
+    # far off. Sending all at once fails it: the plan spans about half a second, and only 11
+    # of its 20 arrivals are within 0.1 s of its median.
+    delays = sorted(at_server - at_plan for at_plan, at_server in zip(planned, timing.arrivals_s, strict=True))
+    origin = delays[count // 2]
+    deviations = [abs(at_server - origin - at_plan)
+                  for at_plan, at_server in zip(planned, timing.arrivals_s, strict=True)]
+    assert sum(d <= 0.1 for d in deviations) >= 0.75 * count, deviations
+    assert max(deviations) <= 0.5, deviations
 
 
 async def test_http_errors_are_counted_by_kind_and_left_out_of_latencies() -> None:

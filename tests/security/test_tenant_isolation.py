@@ -111,5 +111,7 @@ async def test_pd_usage_reports_transferred_kv_apart_from_cache_hits(stack: dict
                                                       timeout=60)]
             usages += [m.done.usage for m in replies if m.WhichOneof("event") == "done"]
     first, second = usages
-    assert first.cached_tokens == 0 and first.kv_transferred_tokens == len(prompt) - 1
-    assert second.cached_tokens >= 96 and second.kv_transferred_tokens < len(prompt) - 1
+    # P samples the first token (the default): D receives the whole prompt's KV, computing only
+    # that token; the second time D's cache (scoped by the salt) holds all but the last page's.
+    assert first.cached_tokens == 0 and first.kv_transferred_tokens == len(prompt)
+    assert second.cached_tokens >= 96 and second.cached_tokens + second.kv_transferred_tokens == len(prompt)
