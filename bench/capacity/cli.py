@@ -108,6 +108,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--py-spy-arg", action="append", default=[],
                    help="extra argument for py-spy record with --profile-s, e.g. "
                         "--py-spy-arg=--idle or --py-spy-arg=--native")
+    p.add_argument("--stagger-ms", type=float, default=0.0,
+                   help="the stack's streams start this far apart (0: all at once), as the "
+                        "engine alone's staggered run starts them one step apart: the load "
+                        "then does not run in waves")
     p.add_argument("--toy", action="store_true",
                    help="a seconds-long run for CI: streams 1 4, 8 requests of 32+16 tokens")
     return p
@@ -118,7 +122,8 @@ def _load_specs(args: argparse.Namespace) -> tuple[list[int], LoadSpec]:
         args.streams, args.input_len, args.output_len = [1, 4], 32, 16
         args.requests = args.requests or 8
     spec = LoadSpec(base_url="", model=args.model, streams=1, input_len=args.input_len,
-                    output_len=args.output_len, count_usage=args.backend != "synthetic")
+                    output_len=args.output_len, count_usage=args.backend != "synthetic",
+                    stagger_s=args.stagger_ms / 1e3)
     if args.requests is not None:
         return args.streams, replace(spec, num_requests=args.requests)
     if args.requests_per_stream is not None:

@@ -38,6 +38,11 @@ class LoadSpec:
     count_usage: bool = False
     # Merged into every request body (e.g. MLC's `debug_config` instead of `ignore_eos`).
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # Stream i sends its first request i * stagger_s after the start (0: all at once). With
+    # equal output lengths, streams that start together end together and come back together:
+    # the load runs in waves; staggered, arrivals spread as the engine alone's staggered run
+    # spreads them (EngineAlone.run).
+    stagger_s: float = 0.0
 
 
 @dataclass
@@ -175,7 +180,9 @@ async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None],
         remaining[0] -= 1
         return remaining[0] >= 0
 
-    async def worker() -> None:
+    async def worker(index: int) -> None:
+        if spec.stagger_s:
+            await sleep_until(index * spec.stagger_s)
         while has_next(time.perf_counter() - origin_s):
             record = StreamRecord(started_s=time.perf_counter() - origin_s)
             records.append(record)
@@ -187,7 +194,7 @@ async def drive(spec: LoadSpec, send: Send, at_edge: Callable[[str], None],
     await sleep_until(0.0)  # an origin ahead: every client process starts together
     if not is_timed:
         at_edge("open")
-    workers = [asyncio.create_task(worker()) for _ in range(spec.streams)]
+    workers = [asyncio.create_task(worker(index)) for index in range(spec.streams)]
     if is_timed:
         await sleep_until(window.start_s)
         at_edge("open")

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -171,3 +172,28 @@ def test_alone_each_round_measures_each_round_against_its_own_yardstick(tmp_path
     for cell, yardstick in zip(row["rounds"], yardsticks, strict=True):
         assert cell["nominal_tok_s"] == pytest.approx(yardstick, abs=0.51)  # printed rounded
         assert cell["ratio"] == pytest.approx(cell["client_tok_s"] / cell["nominal_tok_s"])
+
+
+def test_staggered_streams_start_apart() -> None:
+    """--stagger-ms: stream i sends its first request i * stagger after the start (the load
+    then does not run in waves); without it, every stream starts at once."""
+    import asyncio
+
+    from bench.capacity.cli import _load_specs, build_parser
+    from bench.capacity.client import drive
+
+    args = build_parser().parse_args(["--out", "x", "--requests", "4", "--stagger-ms", "40"])
+    _, spec = _load_specs(args)
+    assert spec.stagger_s == 0.04
+
+    async def starts(stagger_s: float) -> list[float]:
+        async def send(ids, record, window, origin_s) -> None:  # type: ignore[no-untyped-def]
+            await asyncio.sleep(1.0)  # each stream sends one request in this test
+
+        result = await drive(replace(spec, streams=4, stagger_s=stagger_s), send, lambda edge: None)
+        return sorted(record.started_s for record in result.records)
+
+    staggered, together = asyncio.run(starts(0.04)), asyncio.run(starts(0.0))
+    assert len(staggered) == len(together) == 4
+    assert all(at >= 0.04 * index for index, at in enumerate(staggered))  # never early
+    assert staggered[-1] - staggered[0] >= 0.11 and together[-1] - together[0] < 0.1
