@@ -67,20 +67,19 @@ async def test_closed_loop_keeps_exactly_the_concurrency_in_flight() -> None:
 async def test_open_loop_arrivals_follow_the_seeded_poisson_schedule() -> None:
     timing = Timing(0.01, 0.001)
     rate, seed, count = 25.0, 7, 20
-    await _run(timing, LoadShape(request_rate=rate, seed=seed), num_prompts=count)
+    result = await _run(timing, LoadShape(request_rate=rate, seed=seed), num_prompts=count)
     planned = arrival_times_s(count, rate, seed)
-    assert len(timing.arrivals_s) == count
-    # The server's clock against the plan's, aligned by the median request's delay: a request
-    # held up on a busy 2-core machine (the first one came 0.27 s late in a CI run, which
-    # made every offset from it wrong) moves only itself. Most arrive on the plan's beat; none
-    # far off. Sending all at once fails it: the plan spans about half a second, and only 11
-    # of its 20 arrivals are within 0.1 s of its median.
-    delays = sorted(at_server - at_plan for at_plan, at_server in zip(planned, timing.arrivals_s, strict=True))
-    origin = delays[count // 2]
-    deviations = [abs(at_server - origin - at_plan)
-                  for at_plan, at_server in zip(planned, timing.arrivals_s, strict=True)]
-    assert sum(d <= 0.1 for d in deviations) >= 0.75 * count, deviations
-    assert max(deviations) <= 0.5, deviations
+    assert len(timing.arrivals_s) == count  # every request reached the server
+    # Each request leaves on the plan's beat (its record's start, on the run's clock): never
+    # before its planned time, most within a few ms of it. Timed at the client: the server
+    # here is a thread of this process, so on a busy 2-core machine its own stamps came up to
+    # 0.27 s late in CI runs (its accept and parsing wait for the GIL), which said nothing
+    # of the schedule. Sending all at once fails it (every request but the first early).
+    starts = [r["start_s"] for r in sorted(result["requests"], key=lambda r: r["index"])]
+    lateness = sorted(at_client - at_plan for at_plan, at_client in zip(planned, starts, strict=True))
+    assert lateness[0] >= -0.005, lateness
+    assert lateness[count // 2] <= 0.05, lateness
+    assert lateness[-1] <= 0.5, lateness
 
 
 async def test_http_errors_are_counted_by_kind_and_left_out_of_latencies() -> None:
