@@ -564,12 +564,12 @@ class LLMEngine:
             batch.append(ScheduledSeq(seq, 1))
         if len(batch) != len(self.scheduler.running):
             return None  # another sequence (a prefill, a send job) needs schedule()
-        for item in [*batch, *(ScheduledSeq(seq, 1) for seq in joiners)]:
-            # the page of each next position; none free: schedule() decides
+        joined = [ScheduledSeq(seq, 1) for seq in joiners]
+        for item in [*batch, *joined]:  # the page of each next position; none free: schedule() decides
             if not self.scheduler.ensure_pages(item.seq, 1):
                 return None
         self.scheduler.admit_decodes(joiners)
-        batch += [ScheduledSeq(seq, 1) for seq in joiners]
+        batch += joined
         host_ids = [seq.token_ids[seq.num_computed_tokens] for seq in joiners]
         result = self.runner.run(batch, [True] * len(batch), feed=Feed(result.argmax, rows, host_ids))
         self.num_chained_steps += 1
@@ -590,8 +590,7 @@ class LLMEngine:
                 len(waiting) > scheduler.prefill_chunk_size:
             return None
         for seq in waiting:
-            if seq.kind is not SeqKind.GENERATE or seq.num_pending_tokens != 1 or \
-                    seq.num_computed_tokens == 0 or not seq.block_table:
+            if seq.kind is not SeqKind.GENERATE or not seq.decodes_next or not seq.block_table:
                 return None
         return list(waiting)
 

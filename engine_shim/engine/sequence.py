@@ -51,6 +51,12 @@ class Sequence:
         return self.num_tokens - self.num_computed_tokens
 
     @property
+    def decodes_next(self) -> bool:
+        """Its KV is all computed but its next token's: one position to compute, a decode row
+        (a continuation from a whole-prompt reservation starts so)."""
+        return self.num_pending_tokens == 1 and self.num_computed_tokens > 0
+
+    @property
     def num_output_tokens(self) -> int:
         return self.num_tokens - self.num_prompt_tokens
 

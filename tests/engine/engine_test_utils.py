@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from engine_shim.engine.api import GenerateOutput, SamplingParams
+from engine_shim.engine.api import GenerateOutput, KVChunk, SamplingParams
+from engine_shim.engine.disaggregation import FirstTokens
 from engine_shim.engine.llm_engine import LLMEngine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -43,3 +44,19 @@ def poll_sides(*sides: Any, until: Callable[[list[tuple]], bool], within_s: floa
         for side in sides:
             events += side.poll()
     return events
+
+
+def sample_first_and_export(
+    prefill: LLMEngine, request_id: str, ids: list[int], sampling: SamplingParams,
+    begin: int = 0, end: int | None = None,
+) -> tuple[FirstTokens, list[KVChunk]]:
+    """A sending engine's remote_send of [begin, end) (default: the whole prompt) that samples
+    the first tokens (`first`): stepped until they are drawn and the KV is computed, the
+    window exported, the send finished."""
+    prefill.remote_send(request_id, ids, begin, len(ids) if end is None else end, first=sampling)
+    first: FirstTokens | None = None
+    while first is None or not prefill.disaggregation.sends[request_id].is_ready:
+        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
+    chunks = [prefill.export_kv(request_id, b, n) for b, n in prefill.export_windows(request_id)]
+    prefill.finish_remote_send(request_id)
+    return first, chunks

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from engine_test_utils import sample_first_and_export
+
 from engine_shim.engine.api import FinishReason, GenerateOutput, SamplingParams
 from engine_shim.engine.llm_engine import LLMEngine
 
@@ -130,18 +132,11 @@ def test_a_continuation_joins_the_chain(make_engine: Callable[..., LLMEngine]) -
     token and sent the whole prompt's KV) has one position to compute: it joins the running
     chain as a row fed from the host, not a step of schedule()'s. Every request's output is
     the plain engine's, the continuation's is one engine alone's, every page comes back."""
-    from engine_shim.engine.disaggregation import FirstTokens
-
     prefill = make_engine(page_size=4)
     plain, chained = _engines(make_engine, page_size=4)
     prompt, sampling = [5, 9, 2, 6, 5, 3, 5, 8, 9, 7], _greedy(14)
     alone = _summary(_drive(make_engine(page_size=4), {"c": (prompt, sampling)})["c"])[0]
-    prefill.remote_send("c", prompt, 0, len(prompt), first=sampling)
-    first: FirstTokens | None = None
-    while first is None or not prefill.disaggregation.sends["c"].is_ready:
-        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
-    chunks = [prefill.export_kv("c", b, n) for b, n in prefill.export_windows("c")]
-    prefill.finish_remote_send("c")
+    first, chunks = sample_first_and_export(prefill, "c", prompt, sampling)
     assert isinstance(first.output, GenerateOutput)
     t0 = first.output.deltas[0].token_ids[0]
     running = {"a": ([1, 2, 3, 4, 5, 6, 7], _greedy(30)), "b": ([4] * 9, _greedy(25))}

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from engine_test_utils import random_prompt
+from engine_test_utils import random_prompt, sample_first_and_export
 
 from engine_shim.engine.api import (
     Continuation,
@@ -64,17 +64,9 @@ def first_then_continue(
     first tokens; D starts with P's continuations once the KV is in."""
     recv = decode.prep_recv("pd", ids, len(ids), sampling, whole_prompt=True) if whole else \
         decode.prep_recv("pd", ids, -1, sampling)
-    prefill.remote_send("pd", ids, recv.prefix_matched_length, recv.end, first=sampling)
-    first: FirstTokens | None = None
-    is_ready = False
-    while first is None or not is_ready:
-        for event in prefill.step():
-            if isinstance(event, FirstTokens):
-                first = event
-        is_ready = is_ready or prefill.disaggregation.sends["pd"].is_ready
-    for begin, num_tokens in prefill.export_windows("pd"):
-        decode.import_kv("pd", prefill.export_kv("pd", begin, num_tokens))
-    prefill.finish_remote_send("pd")
+    first, chunks = sample_first_and_export(prefill, "pd", ids, sampling, recv.prefix_matched_length, recv.end)
+    for chunk in chunks:
+        decode.import_kv("pd", chunk)
     output = first.output
     assert isinstance(output, GenerateOutput)
     continuations: list[Continuation] = [
@@ -245,14 +237,10 @@ def test_whole_prompt_window_starts_with_a_plain_decode(trio) -> None:
     ids = random_prompt(40, 40)
     recv = decode.prep_recv("pd", ids, len(ids), sampling, whole_prompt=True)
     assert recv.end == len(ids)
-    prefill.remote_send("pd", ids, 0, len(ids), first=sampling)
-    first = None
-    while first is None or not prefill.disaggregation.sends["pd"].is_ready:
-        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
-    assert prefill.export_windows("pd")[-1][0] + prefill.export_windows("pd")[-1][1] == len(ids)
-    for begin, num_tokens in prefill.export_windows("pd"):
-        decode.import_kv("pd", prefill.export_kv("pd", begin, num_tokens))
-    prefill.finish_remote_send("pd")
+    first, chunks = sample_first_and_export(prefill, "pd", ids, sampling)
+    assert chunks[-1].begin + chunks[-1].num_tokens == len(ids)
+    for chunk in chunks:
+        decode.import_kv("pd", chunk)
     assert isinstance(first.output, GenerateOutput)
     decode.start_generate("pd", ids, len(ids), sampling,
                           continuations=[(0, tuple(first.output.deltas[0].token_ids), b"")])

@@ -19,6 +19,7 @@ from engine_shim.engine.config import EngineConfig
 from engine_shim.engine.llm_engine import LLMEngine
 from engine_shim.engine.scheduler import ScheduledSeq
 from engine_shim.engine.sequence import Sequence
+from tests.engine.engine_test_utils import sample_first_and_export
 
 pytestmark = pytest.mark.gpu
 
@@ -226,19 +227,12 @@ def test_a_continuation_joins_the_chained_graph_step() -> None:
     row's input id comes from the host, the others' from the previous replay's argmax. Every
     request's tokens are the plain engine's; the continuation's are one engine alone's (fp32,
     as above)."""
-    from engine_shim.engine.disaggregation import FirstTokens
-
     prefill = _cuda_engine(dtype="float32")
     chained, plain = _cuda_engine(dtype="float32"), _cuda_engine(dtype="float32", overlap_steps=False)
     assert chained.chain_decode and chained.runner.graphs is not None
     prompt = _prompt(500, 70)
     alone = _tokens(_cuda_engine(dtype="float32"), {"c": prompt}, GREEDY)["c"]
-    prefill.remote_send("c", prompt, 0, len(prompt), first=GREEDY)
-    first = None
-    while first is None or not prefill.disaggregation.sends["c"].is_ready:
-        first = next((e for e in prefill.step() if isinstance(e, FirstTokens)), first)
-    chunks = [prefill.export_kv("c", b, n) for b, n in prefill.export_windows("c")]
-    prefill.finish_remote_send("c")
+    first, chunks = sample_first_and_export(prefill, "c", prompt, GREEDY)
     t0 = first.output.deltas[0].token_ids[0]
     running = {f"r{i}": _prompt(510 + i, 9 + 13 * i) for i in range(5)}
 

@@ -275,14 +275,14 @@ class SyntheticCore(TransferOps):
         budget = self.config.prefill_chunk_size
         admitted: list[Sequence] = []
         num_prefill_tokens = 0
-        joins = all(seq.num_pending_tokens == 1 and seq.num_computed_tokens > 0 for seq in self._waiting)
+        joins = all(seq.decodes_next for seq in self._waiting)
         for seq in self._waiting:
             if budget == 0 or len(self._running) + len(admitted) >= self.config.max_num_seqs:
                 break
             if not self.pages.grow(seq.block_table, seq.num_tokens):
                 break  # first come, first served: later ones wait too
             num_tokens = min(seq.num_pending_tokens, budget)
-            if seq.num_pending_tokens > 1 or seq.num_computed_tokens == 0:
+            if not seq.decodes_next:
                 num_prefill_tokens += num_tokens
             seq.num_computed_tokens += num_tokens
             seq.status = SeqStatus.RUNNING
