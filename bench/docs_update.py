@@ -18,9 +18,12 @@ from typing import Any
 
 
 def machine_line(machine: dict[str, Any]) -> str:
+    speed = machine.get("host_speed")
+    speed_text = (f", host speed {speed['python_loop_ns']} ns a Python loop iteration and "
+                  f"{speed['socket_round_trip_us']} us a socket round trip" if speed else "")
     return (f"*Machine: {machine.get('cpu_model', '?')}, {machine.get('usable_cores', '?')} usable "
             f"cores ({machine.get('cpu_cores', '?')} online), Python {machine.get('python', '?')}, "
-            f"{machine.get('platform', '?')}; measured {machine.get('date', '?')}.*")
+            f"{machine.get('platform', '?')}{speed_text}; measured {machine.get('date', '?')}.*")
 
 
 def _find_machine(table: Path, results: Path | None) -> dict[str, Any] | None:

@@ -7,7 +7,10 @@ import datetime as dt
 import json
 import os
 import platform
+import socket
+import statistics
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,34 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def host_speed(trials: int = 5) -> dict[str, float]:
+    """How fast this host runs the stack's kind of work right now, so that figures taken on one
+    VM on different days can be told apart (its speed moves with the host under it; one day's
+    table ran at twice another's CPU per token with the same code): the median nanoseconds of
+    one Python loop iteration and microseconds of a 64-byte round trip through a local socket
+    pair (four syscalls). About 0.1 s."""
+    loop_ns: list[float] = []
+    trip_us: list[float] = []
+    left, right = socket.socketpair()
+    try:
+        for _ in range(trials):
+            start = time.perf_counter()
+            total = 0
+            for i in range(200_000):
+                total += i
+            loop_ns.append((time.perf_counter() - start) / 200_000 * 1e9)
+            start = time.perf_counter()
+            for _ in range(2_000):
+                left.send(b"x" * 64)
+                right.recv(64)
+            trip_us.append((time.perf_counter() - start) / 2_000 * 1e6)
+    finally:
+        left.close()
+        right.close()
+    return {"python_loop_ns": round(statistics.median(loop_ns), 1),
+            "socket_round_trip_us": round(statistics.median(trip_us), 2)}
+
+
 def machine_info(command: list[str] | None = None) -> dict[str, Any]:
     """What a figure was measured on: CPU, cores, Python, OS, date and the command."""
     try:
@@ -40,6 +71,7 @@ def machine_info(command: list[str] | None = None) -> dict[str, Any]:
         "python": platform.python_version(),
         "platform": platform.platform(),
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
+        "host_speed": host_speed(),
         "command": " ".join(command if command is not None else sys.argv),
     }
 

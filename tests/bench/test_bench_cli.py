@@ -9,6 +9,7 @@ import pytest
 from bench_timed_server import MODEL_ID, Timing, serve_timed
 
 from bench.cli import main
+from bench.docs_update import machine_line
 from microserving.cli import main as microserving_main
 
 pytestmark = pytest.mark.integration
@@ -34,6 +35,11 @@ def test_bench_writes_results_json_with_machine_info_and_a_cdf_png(tmp_path: Pat
     machine = result["machine"]
     assert machine["cpu_cores"] >= 1 and machine["cpu_model"] and machine["python"]
     assert "--concurrency 2" in machine["command"]
+    speed = machine["host_speed"]
+    assert speed["python_loop_ns"] > 0 and speed["socket_round_trip_us"] > 0
+    line = machine_line(machine)
+    assert f"{speed['python_loop_ns']} ns a Python loop iteration" in line
+    assert f"{speed['socket_round_trip_us']} us a socket round trip" in line
     assert (tmp_path / "run" / "cdf.png").read_bytes().startswith(PNG_MAGIC)
 
 
