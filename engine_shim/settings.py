@@ -19,6 +19,14 @@ from microserving.transport import DEFAULT_MAX_MESSAGE_BYTES, TransportSettings
 
 Role = Literal["prefill", "decode", "both"]
 
+# Prompt tokens a step computes. The chunk bounds a step's time for the decode rows that
+# share it (their ITL); a prefill-only engine has none, and there a larger chunk drains a
+# burst of prompts in fewer steps, each a pass over the weights (GPU run 46-47, docs/gpu.md:
+# on one H100 P's chunk of 2048 against 512 cut disagg's mean first token at 64 and 128
+# streams; vLLM's and SGLang's prefill instances run chunks of thousands of tokens too).
+DEFAULT_PREFILL_CHUNK = 512
+PREFILL_ROLE_CHUNK = 2048
+
 
 class ShimSettings(BaseSettings):
     """Everything one engine shim process is configured with."""
@@ -60,8 +68,10 @@ class ShimSettings(BaseSettings):
     )
     kv_cache_memory_mb: int = Field(256, ge=1, description="KV pool budget when num_pages unset.")
     max_num_seqs: int = Field(64, ge=1, description="Sequences one engine step runs at most.")
-    prefill_chunk_size: int = Field(
-        512, ge=1, description="Prompt tokens one engine step computes, over all sequences."
+    prefill_chunk_size: int | None = Field(
+        None, ge=1, description="Prompt tokens one engine step computes, over all sequences "
+        f"(embedded); default {DEFAULT_PREFILL_CHUNK}, or {PREFILL_ROLE_CHUNK} on a prefill shim "
+        "(role=prefill), whose steps no decode waits behind.",
     )
     enable_prefix_cache: bool = Field(True, description="Reuse KV of shared prompt prefixes.")
     cuda_graphs: bool = Field(True, description="Replay captured CUDA graphs for decode steps.")
@@ -235,6 +245,12 @@ class ShimSettings(BaseSettings):
         if self.dtype != "auto":
             return self.dtype
         return "bfloat16" if self.device.startswith("cuda") else "float32"
+
+    @property
+    def engine_prefill_chunk(self) -> int:
+        if self.prefill_chunk_size is not None:
+            return self.prefill_chunk_size
+        return PREFILL_ROLE_CHUNK if self.role == "prefill" else DEFAULT_PREFILL_CHUNK
 
 
 def core_in_own_process(settings: ShimSettings) -> bool:

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from engine_shim import validation
+from engine_shim.backends.embedded.backend import engine_config
 from engine_shim.backends.embedded.kv_plane.addr import KVAddrInfo
 from engine_shim.backends.mlc import protocol
 from engine_shim.backends.mlc.sse import sse_json
@@ -28,7 +29,7 @@ from engine_shim.engine.api import (
 from engine_shim.errors import status_code_for
 from engine_shim.mlc_http.kv_relay import decode_kv_append_metadata, encode_kv_append_metadata
 from engine_shim.requests import RequestTracker
-from engine_shim.settings import ShimSettings
+from engine_shim.settings import DEFAULT_PREFILL_CHUNK, PREFILL_ROLE_CHUNK, ShimSettings
 from engine_shim.token_bytes import TokenBytes
 
 LAYOUT = KVLayout("fp", "float32", 4, 2, 32, 16)
@@ -262,3 +263,16 @@ def test_copy_free_chunk_decoder_leaves_everything_else_to_protobuf(wire):
     from engine_shim.backends.embedded.kv_plane.codec import decode_chunk_request
 
     assert decode_chunk_request(wire) is None
+
+
+def test_a_prefill_shim_takes_larger_prompt_chunks_by_default():
+    """No decode row waits behind a prefill-only engine's steps, so its default chunk is the
+    larger one; an explicit setting wins on every role, and reaches the engine's config."""
+    assert PREFILL_ROLE_CHUNK > DEFAULT_PREFILL_CHUNK
+    assert engine_config(ShimSettings(role="prefill")).prefill_chunk_size == PREFILL_ROLE_CHUNK
+    for role in ("decode", "both"):
+        assert engine_config(ShimSettings(role=role)).prefill_chunk_size == DEFAULT_PREFILL_CHUNK
+    for role in ("prefill", "decode", "both"):
+        assert engine_config(ShimSettings(role=role, prefill_chunk_size=96)).prefill_chunk_size == 96
+    with pytest.raises(ValueError):
+        ShimSettings(prefill_chunk_size=0)

@@ -80,7 +80,7 @@ def engine_config(settings: ShimSettings) -> EngineConfig:
         kv_cache_memory_mb=settings.kv_cache_memory_mb,
         reservation_ttl_s=settings.reservation_ttl_s,
         max_num_seqs=settings.max_num_seqs,
-        prefill_chunk_size=settings.prefill_chunk_size,
+        prefill_chunk_size=settings.engine_prefill_chunk,
         prefill_hold_ms=settings.prefill_hold_ms,
         enable_prefix_cache=settings.enable_prefix_cache,
         cuda_graphs=settings.cuda_graphs,
