@@ -4,6 +4,9 @@ out of pages."""
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 
 from engine_shim.engine.block_manager import (
@@ -12,6 +15,7 @@ from engine_shim.engine.block_manager import (
     slot_segments,
     slots_for_positions,
 )
+from engine_shim.engine.prefix_cache import chain_hashes
 
 pytestmark = pytest.mark.unit
 
@@ -204,3 +208,29 @@ def test_while_unused_pages_serve_an_allocation_no_cached_page_is_taken_for_a_ru
     pool.release(second, _tokens(5)[:PAGE_SIZE], num_computed_tokens=PAGE_SIZE)  # cached
     assert pool.allocate(2) == [0, 2]
     assert pool.acquire_prefix(_tokens(5)[:PAGE_SIZE], max_tokens=PAGE_SIZE) == [1]
+
+
+@pytest.mark.parametrize("differs_at_page", [0, 1, 31, 32, 33, 63, 64, 69])
+def test_a_long_prefix_matches_up_to_its_first_differing_page_across_hash_blocks(
+    differs_at_page: int,
+) -> None:
+    """chain_hashes turns the ids into bytes some pages at a time (_PAGES_PER_BLOCK): a
+    prompt of 70 pages is matched page by page across those blocks, up to the first page that
+    differs, and the hashes are the chain the cache is defined by (each page's int64 ids
+    hashed after the previous page's hash, from the salt's)."""
+    pool = BlockManager(num_pages=80, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tokens = [(7 * i) % 1000 for i in range(70 * PAGE_SIZE)]
+    pool.release(pool.allocate(70), tokens, num_computed_tokens=len(tokens), salt="t")
+    other = list(tokens)
+    other[differs_at_page * PAGE_SIZE + 1] += 1
+    matched = pool.acquire_prefix(other, max_tokens=len(other), salt="t")
+    assert len(matched) == differs_at_page
+
+    expected = []
+    prev = hashlib.blake2b(b"t", digest_size=16).digest()
+    for page in range(70):
+        ids = tokens[page * PAGE_SIZE : (page + 1) * PAGE_SIZE]
+        prev = hashlib.blake2b(prev + struct.pack(f"<{PAGE_SIZE}q", *ids), digest_size=16).digest()
+        expected.append(prev)
+    assert list(chain_hashes(tokens, PAGE_SIZE, 70, salt="t")) == expected
+    assert list(chain_hashes(tuple(tokens), PAGE_SIZE, 70, salt="t")) == expected
