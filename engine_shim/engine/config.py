@@ -10,6 +10,10 @@ from typing import Any
 
 from microserving.tokenizer import BYTE_SPECIAL_TOKENS
 
+# Prompt tokens one step computes over all sequences, unless configured (a prefill shim's
+# default is larger: engine_shim/settings.py, PREFILL_ROLE_CHUNK).
+DEFAULT_PREFILL_CHUNK = 512
+
 BYTE_VOCAB_SIZE = 256 + len(BYTE_SPECIAL_TOKENS)
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
@@ -180,7 +184,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: derive from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
     max_num_seqs: int = 64  # running sequences per step
-    prefill_chunk_size: int = 512  # prompt tokens computed per step, over all sequences
+    prefill_chunk_size: int = DEFAULT_PREFILL_CHUNK  # prompt tokens computed per step, over all sequences
     # While sequences decode, a new prompt waits up to this long for others to share its
     # prefill step (scheduler.py: fewer mixed steps, which cannot replay a CUDA graph).
     prefill_hold_ms: float = 0.0

@@ -26,10 +26,11 @@ from engine_shim.engine.api import (
     SamplingParams,
     UnavailableError,
 )
+from engine_shim.engine.config import DEFAULT_PREFILL_CHUNK
 from engine_shim.errors import status_code_for
 from engine_shim.mlc_http.kv_relay import decode_kv_append_metadata, encode_kv_append_metadata
 from engine_shim.requests import RequestTracker
-from engine_shim.settings import DEFAULT_PREFILL_CHUNK, PREFILL_ROLE_CHUNK, ShimSettings
+from engine_shim.settings import PREFILL_ROLE_CHUNK, ShimSettings
 from engine_shim.token_bytes import TokenBytes
 
 LAYOUT = KVLayout("fp", "float32", 4, 2, 32, 16)
