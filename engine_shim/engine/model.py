@@ -35,7 +35,10 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
     """[D/2] inverse frequencies, with Llama-3 frequency-dependent scaling when configured."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    # On the CPU even inside build_model's meta-device context: math on meta tensors runs
+    # through torch._refs, whose first use imports torch._dynamo (see Embedding).
+    steps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu")
+    inv_freq = 1.0 / (config.rope_theta ** (steps.float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq
@@ -187,10 +190,20 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class Embedding(nn.Embedding):
+    """nn.Embedding without its random initialisation: build_model writes every weight (seeded
+    or from the checkpoint), and nn.Embedding's normal_ on the meta device it is built on runs
+    through torch._refs, whose first use imports torch._dynamo: 1.2 of a shim's 4.3 s start on
+    the development VM, in every process that builds a model."""
+
+    def reset_parameters(self) -> None:
+        pass
+
+
 class DecoderModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)

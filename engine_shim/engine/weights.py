@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from torch import nn
 
 from . import triton_fused
 from .config import ModelConfig
@@ -29,7 +30,7 @@ def build_model(
     # Build on the meta device so no memory is spent on weights that are replaced at once.
     with torch.device("meta"):
         model = CausalLM(config)
-    model = model.to_empty(device="cpu")
+    _materialize(model, "cpu")
     model.model.rotary_emb.inv_freq = rope_inv_freq(config)
     if model_dir is None:
         init_random_weights(model, config, seed)
@@ -43,6 +44,19 @@ def build_model(
     model = model.eval().requires_grad_(False)
     model.fuse(use_fused_kernels=triton_fused.supports(config, device))
     return model
+
+
+def _materialize(model: nn.Module, device: str) -> None:
+    """Module.to_empty(device) without torch.empty_like on meta tensors, which runs through
+    torch._refs and imports sympy on first use (0.35 s of every shim's start on the development
+    VM). As with to_empty, a tensor two modules share (tied weights) becomes two: build_model
+    ties them again, and the seeded initialisation draws for each as it always has."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
+            setattr(module, name, nn.Parameter(fresh, param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
 def init_random_weights(model: CausalLM, config: ModelConfig, seed: int) -> None:

@@ -151,22 +151,24 @@ def test_paged_prefill_attention_equals_the_per_sequence_reference(dtype: torch.
 def test_engine_on_the_paged_kernels_gives_the_reference_tokens() -> None:
     """The runner's CUDA path on the CPU: decode batches through the decode kernel, mixed
     steps (a prompt arriving while others decode, a chunked prompt, a prefix-cache hit)
-    through both kernels; token-exact at temperature 0 against the reference ops."""
+    through both kernels; token-exact at temperature 0 against the reference ops. Pages of 4
+    tokens and a 12-token chunk keep the prompts short: the interpreter runs one Python
+    program per token row of every fused kernel."""
     from engine_shim.engine.api import GenerateOutput, SamplingParams
     from engine_shim.engine.config import EngineConfig
     from engine_shim.engine.disaggregation import EngineEvent
     from engine_shim.engine.llm_engine import LLMEngine
 
     sampling = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    shared = [(3 * j) % 250 + 1 for j in range(40)]
-    prompts = [shared + [9, 8, 7], [(7 * j) % 250 + 1 for j in range(100)], shared + [1, 2]]
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    shared = [(3 * j) % 250 + 1 for j in range(10)]
+    prompts = [shared + [9, 8, 7], [(7 * j) % 250 + 1 for j in range(25)], shared + [1, 2]]
     results = []
     for paged in (True, False):
         engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_pages=64,
-                                        page_size=16, prefill_chunk_size=48))
+                                        page_size=4, prefill_chunk_size=12))
         assert engine.runner.use_paged_kernels  # Triton's interpreter stands in for CUDA
         engine.runner.use_paged_kernels = paged
-        engine.add_request("r0", prompts[0], sampling)
         outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(3)}
 
         def collect(events: list[EngineEvent], outputs: dict[str, list[int]] = outputs) -> None:
@@ -174,14 +176,20 @@ def test_engine_on_the_paged_kernels_gives_the_reference_tokens() -> None:
                 if isinstance(event, GenerateOutput):
                     outputs[event.request_id].extend(t for d in event.deltas for t in d.token_ids)
 
-        for _ in range(4):  # r0 prefills and decodes alone, then two prompts join it
+        engine.add_request("r0", prompts[0], short)
+        for _ in range(2):  # r0 prefills (13 tokens: two chunks)
             collect(engine.step())
-        engine.add_request("r1", prompts[1], sampling)  # chunked: 100 tokens, 48 a step
-        engine.add_request("r2", prompts[2], sampling)  # shares r0's first 32 tokens (cached)
+        engine.add_request("r1", prompts[1], sampling)  # chunked (25 tokens) while r0 decodes
+        while len(outputs["r0"]) < 3:
+            collect(engine.step())
+        # r0 has ended, so its two full pages are in the prefix cache: r2 computes 4 tokens
+        # after 8 cached ones, while r1 decodes.
+        engine.add_request("r2", prompts[2], sampling)
         while engine.has_work:
             collect(engine.step())
         results.append(outputs)
-    assert all(len(tokens) == 12 for tokens in results[0].values())
+        assert engine.block_manager.prefix_cache_stats().num_hit_tokens == 8
+    assert [len(tokens) for tokens in results[0].values()] == [3, 12, 12]
     assert results[0] == results[1]
 
 
@@ -198,23 +206,24 @@ def test_static_mixed_steps_give_the_reference_tokens() -> None:
     from engine_shim.engine.mixed_graphs import MixedGraphRunner
 
     sampling = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    shared = [(3 * j) % 250 + 1 for j in range(40)]
-    prompts = [shared + [9, 8, 7], [(7 * j) % 250 + 1 for j in range(100)], shared + [1, 2], [5, 6]]
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    shared = [(3 * j) % 250 + 1 for j in range(10)]
+    prompts = [shared + [9, 8, 7], [(7 * j) % 250 + 1 for j in range(17)], shared + [1, 2], [5, 6]]
     results = []
     static_runs = []
     fallbacks: list[bool] = []  # per step that prefilled on the static runner: did not fit
     for static in (True, False):
         engine = LLMEngine(EngineConfig(model="tiny", device="cpu", dtype="float32", num_pages=64,
-                                        page_size=16, prefill_chunk_size=48))
+                                        page_size=4, prefill_chunk_size=14))
         runner = engine.runner
         if static:
             runner.use_paged_kernels = True
             runner.mixed_graphs = MixedGraphRunner(
                 engine.model, engine.kv_cache.kv, engine.page_size, engine.kv_cache.scratch_slot,
-                max_tokens=56, max_decode_rows=4, max_pages_per_seq=16, max_prefills=2,
-                buckets=(8, 16, 32, 64),
+                max_tokens=18, max_decode_rows=4, max_pages_per_seq=16, max_prefills=2,
+                buckets=(2, 4, 8, 16, 32),
             )
-            assert runner.mixed_graphs.buckets == (8, 16, 32, 56)
+            assert runner.mixed_graphs.buckets == (2, 4, 8, 16, 18)
             fits = runner.mixed_graphs.fits
 
             def counted(step: Any, fits: Any = fits) -> bool:
@@ -232,19 +241,24 @@ def test_static_mixed_steps_give_the_reference_tokens() -> None:
                 if isinstance(event, GenerateOutput):
                     outputs[event.request_id].extend(t for d in event.deltas for t in d.token_ids)
 
-        engine.add_request("r0", prompts[0], sampling)
-        for _ in range(3):  # r0 prefills (43 tokens: bucket 56) and decodes alone
+        engine.add_request("r0", prompts[0], short)
+        for _ in range(2):  # r0 prefills (13 tokens: bucket 16) and decodes alone
             collect(engine.step())
-        engine.add_request("r1", prompts[1], sampling)  # chunked: 100 tokens, 48 a step
-        engine.add_request("r2", prompts[2], sampling)  # shares r0's first 32 tokens (cached)
-        engine.add_request("r3", prompts[3], sampling)  # a third prefill of one step: eager
+        engine.add_request("r1", prompts[1], sampling)  # chunked: 17 tokens, 14 a step
+        while len(outputs["r0"]) < 3:  # r0's last decode beside r1's first chunk
+            collect(engine.step())
+        engine.add_request("r2", prompts[2], sampling)  # 8 tokens cached from r0, 4 to compute
+        engine.add_request("r3", prompts[3], sampling)  # with r1's last 3 and r2's 4: eager
         while engine.has_work:
             collect(engine.step())
         results.append(outputs)
+        assert engine.block_manager.prefix_cache_stats().num_hit_tokens == 8
         if static:
             assert runner.mixed_graphs is not None
             static_runs.append(runner.mixed_graphs.num_static_runs)
-    assert all(len(tokens) == 10 for tokens in results[0].values())
+    assert [len(tokens) for tokens in results[0].values()] == [3, 10, 10, 10]
     assert results[0] == results[1]
-    assert static_runs[0] >= 3 and static_runs[0] == fallbacks.count(False)
-    assert any(fallbacks)  # three prompts in one step: more than max_prefills, eager
+    # The steps that prefill: r0 alone and r1's chunk beside r0's decode on the static shapes,
+    # then three prompts in one step (more than max_prefills) eagerly.
+    assert fallbacks == [False, False, True]
+    assert static_runs == [2]
