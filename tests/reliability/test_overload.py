@@ -102,24 +102,45 @@ async def test_a_thousand_streaming_clients_finish_or_get_429_with_bounded_memor
 
 
 async def test_router_over_its_limit_answers_resource_exhausted(stack) -> None:
+    """ROUTER_LIMIT + 16 long requests on one stream: the router runs at most its limit and
+    answers the rest RESOURCE_EXHAUSTED at once. Once every request has its answer (a first
+    token or the refusal) the running ones are cancelled, rather than decoded to the end."""
     num_requests = ROUTER_LIMIT + 16
+    outgoing: asyncio.Queue[router_pb2.GenerateRequest | None] = asyncio.Queue()
+    for i in range(num_requests):
+        outgoing.put_nowait(router_pb2.GenerateRequest(generate=router_pb2.NewRequest(
+            # Long enough that the first ROUTER_LIMIT are still running when the last
+            # arrive (24 tokens could finish first on fast engines).
+            request_id=f"o{i}", text="over the limit", sampling=greedy(1000))))
+
+    async def messages():  # type: ignore[no-untyped-def]
+        while (item := await outgoing.get()) is not None:
+            yield item
+
+    outcome: dict[str, str] = {}
+    ended: set[str] = set()
+    cancelled = False
     async with create_channel(stack["router"].address, TransportSettings()) as channel:
         stub = router_pb2_grpc.RouterStub(channel)
-
-        async def messages():  # type: ignore[no-untyped-def]
-            for i in range(num_requests):
-                yield router_pb2.GenerateRequest(generate=router_pb2.NewRequest(
-                    # Long enough that the first ROUTER_LIMIT are still running when the
-                    # last arrive (24 tokens could finish first on fast engines).
-                    request_id=f"o{i}", text="over the limit", sampling=greedy(1000)))
-
-        outcome: dict[str, str] = {}
         async for message in stub.Generate(messages(), timeout=120):
-            if message.WhichOneof("event") == "done":
-                outcome[message.request_id] = "done"
-            elif message.WhichOneof("event") == "error":
+            request_id, event = message.request_id, message.WhichOneof("event")
+            if event == "error":
                 assert message.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], message.error
-                outcome[message.request_id] = "exhausted"
+                assert request_id not in outcome, request_id
+                outcome[request_id] = "exhausted"
+            elif event in ("delta", "done"):
+                outcome.setdefault(request_id, "admitted")
+            if event in ("error", "done"):
+                ended.add(request_id)
+            if not cancelled and len(outcome) == num_requests:
+                cancelled = True
+                for running in sorted(set(outcome) - ended):
+                    outgoing.put_nowait(router_pb2.GenerateRequest(
+                        cancel=router_pb2.CancelRequest(request_id=running)))
+            if event in ("error", "done") and len(ended) == num_requests:
+                outgoing.put_nowait(None)
     counts = Counter(outcome.values())
-    assert len(outcome) == num_requests
-    assert counts["exhausted"] >= 1 and counts["done"] >= 1, counts
+    assert len(outcome) == num_requests and ended == set(outcome), (counts, len(ended))
+    # At most the limit ran at once: none of the admitted could finish 1,000 tokens before
+    # the last request arrived, so exactly the limit was admitted.
+    assert counts == {"admitted": ROUTER_LIMIT, "exhausted": num_requests - ROUTER_LIMIT}, counts

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -62,9 +63,10 @@ def _clean(message: str) -> bool:
     return not any(marker in message for marker in INTERNAL_DETAIL)
 
 
-async def _http_corpus(client: httpx.AsyncClient) -> list[str]:
+async def _http_corpus(client: httpx.AsyncClient, progress: list[tuple[float, str]]) -> list[str]:
     failures = []
     for case in http_cases():
+        progress.append((time.monotonic(), f"HTTP {case.name[:60]!r}"))
         reply = await client.request(case.method, case.path, content=case.content, headers=case.headers)
         body = reply.text
         ok = 400 <= reply.status_code < 500 and _clean(body)
@@ -178,20 +180,39 @@ async def _shim_corpus(address: str) -> tuple[list[str], int]:
     return failures, len(cases) + 5
 
 
+async def _finish_alongside(good: asyncio.Future[str], progress: list[tuple[float, str]],
+                            stack: dict[str, Service]) -> str:
+    """The good request's text; when it fails, an error that says what the corpus was doing
+    meanwhile and what each service logged (the logs of a CI machine are gone afterwards)."""
+    try:
+        return await asyncio.wait_for(good, timeout=120)
+    except (TimeoutError, httpx.HTTPError, AssertionError) as error:
+        began = progress[0][0]
+        steps = "\n".join(f"  +{at - began:7.2f} s  {what}" for at, what in progress[-15:])
+        logs = "\n".join(f"--- {name} (last 4000 characters)\n{service.log()[-4000:]}"
+                         for name, service in stack.items())
+        raise AssertionError(f"the good request beside the corpus failed ({error!r}) "
+                             f"{time.monotonic() - began:.1f} s after it began; the corpus's last "
+                             f"steps:\n{steps}\n{logs}") from error
+
+
 async def test_hostile_corpus_gets_clear_errors_and_breaks_nothing(stack) -> None:
     engines = [stack["prefill"].address, stack["decode"].address]
     baseline = [(await engine_status(a)).num_free_kv_pages for a in engines]
     async with httpx.AsyncClient(base_url=f"http://{stack['gateway'].address}", timeout=120) as client:
         reference = await _stream_text(client)
+        progress = [(time.monotonic(), "the good request")]
         good = asyncio.ensure_future(_stream_text(client))
-        http_failures = await _http_corpus(client)
+        http_failures = await _http_corpus(client, progress)
+        progress.append((time.monotonic(), "router corpus"))
         router_failures, num_router = await _router_corpus(stack["router"].address)
         shim_failures = []
         num_shim = 0
         for address in engines:
+            progress.append((time.monotonic(), f"shim corpus on {address}"))
             failures, num_shim = await _shim_corpus(address)
             shim_failures += failures
-        alongside = await asyncio.wait_for(good, timeout=120)
+        alongside = await _finish_alongside(good, progress, stack)
         after = await _stream_text(client)
     num_cases = len(http_cases()) + num_router + 2 * num_shim
     print(f"\nhostile input: {num_cases} cases ({len(http_cases())} HTTP, {num_router} router gRPC, "

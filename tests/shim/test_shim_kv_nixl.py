@@ -318,7 +318,10 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
         await introduce(p_stub, lone_receiver.address)  # a shim writes KV to known peers only
         baseline = await free_pages(p_stub)
         codes = []
-        for request_id, stop in (("nixl-stalled", signal.SIGSTOP), ("nixl-dead", signal.SIGKILL)):
+        # The stalled receiver never answers, so its send ends at the caller's deadline (kept
+        # short); the dead one must end well within its deadline, by the sender's own means.
+        for request_id, stop, deadline_s in (("nixl-stalled", signal.SIGSTOP, 3.0),
+                                             ("nixl-dead", signal.SIGKILL, 8.0)):
             tokens = [t + (134 if stop == signal.SIGSTOP else 135) for t in PROMPT]
             prep = await d_stub.PrepRecv(
                 engine_pb2.PrepRecvRequest(
@@ -332,7 +335,7 @@ async def test_a_stalled_then_dead_receiver_ends_remote_send_with_a_clear_code(
             )
             started = time.monotonic()
             with pytest.raises(grpc.aio.AioRpcError) as failed:
-                await p_stub.RemoteSend(send, timeout=8.0)
+                await p_stub.RemoteSend(send, timeout=deadline_s)
             codes.append((failed.value.code(), time.monotonic() - started,
                           dict(failed.value.trailing_metadata() or ())))
             if stop == signal.SIGSTOP:
