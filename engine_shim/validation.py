@@ -9,13 +9,15 @@ from collections.abc import Sequence
 
 from engine_shim.engine import validation as rules
 from engine_shim.engine.api import InvalidRequestError, SamplingParams
+from microserving.limits import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 
-MAX_REQUEST_ID_CHARS = 256
-MAX_CHOICES = 16
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 256
-MAX_LOGIT_BIAS_ENTRIES = 1024
 MAX_KV_ADDR_INFO_BYTES = 1024 * 1024
 
 
@@ -69,6 +71,7 @@ def _check_sizes(sampling: SamplingParams) -> None:
         raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
     if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
         raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries")
+    rules.check_cache_salt(sampling.cache_salt)  # the engine checks it too, past the call's front
 
 
 def check_kv_addr_info(kv_addr_info: bytes) -> None:

@@ -11,15 +11,20 @@ import math
 import weakref
 from dataclasses import dataclass
 
+from microserving.limits import (
+    MAX_CACHE_SALT_CHARS,
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS_ENTRIES,
+    MAX_REQUEST_ID_CHARS,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOP_LOGPROBS,
+)
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, router_pb2
 from router.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
 
-MAX_REQUEST_ID_CHARS = 256
-MAX_CHOICES = 16
-MAX_TOP_LOGPROBS = 20
-MAX_STOP_STRINGS = 16
-MAX_CACHE_SALT_CHARS = 256
 # Inputs from this many characters are tokenized in a worker thread, this many at once.
 OFF_LOOP_MIN_CHARS = 16_384
 MAX_OFF_LOOP_TOKENIZATIONS = 2
@@ -42,7 +47,8 @@ class PreparedRequest:
 
 def check_request_id(request_id: str) -> None:
     if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id must hold 1..256 characters", param="request_id")
+        raise InvalidRequestError(f"request_id must hold 1..{MAX_REQUEST_ID_CHARS} characters",
+                                  param="request_id")
 
 
 def prepare(
@@ -170,17 +176,26 @@ def check_sampling(sampling: common_pb2.SamplingParams, vocab_size: int) -> None
         raise InvalidRequestError(f"n must lie in [1, {MAX_CHOICES}]", param="sampling.n")
     _check_range(sampling.frequency_penalty, -2.0, 2.0, "sampling.frequency_penalty")
     _check_range(sampling.presence_penalty, -2.0, 2.0, "sampling.presence_penalty")
+    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+                                  param="sampling.logit_bias")
     for token_id, bias in sampling.logit_bias.items():
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError("logit_bias keys must be token ids", param="sampling.logit_bias")
         _check_range(bias, -100.0, 100.0, "sampling.logit_bias")
     if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequestError("top_logprobs must lie in [0, 20]", param="sampling.top_logprobs")
-    if len(sampling.stop) > MAX_STOP_STRINGS or any(not s for s in sampling.stop):
-        raise InvalidRequestError("stop takes up to 16 non-empty strings", param="sampling.stop")
+        raise InvalidRequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]",
+                                  param="sampling.top_logprobs")
+    if len(sampling.stop) > MAX_STOP_STRINGS or any(
+            not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in sampling.stop):
+        raise InvalidRequestError(f"stop takes up to {MAX_STOP_STRINGS} strings of 1.."
+                                  f"{MAX_STOP_STRING_CHARS} characters", param="sampling.stop")
     if len(sampling.cache_salt) > MAX_CACHE_SALT_CHARS:
         raise InvalidRequestError(f"cache_salt takes at most {MAX_CACHE_SALT_CHARS} characters",
                                   param="sampling.cache_salt")
+    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
+                                  param="sampling.stop_token_ids")
     if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
         raise InvalidRequestError("stop_token_ids must be token ids", param="sampling.stop_token_ids")
 

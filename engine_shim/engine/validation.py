@@ -8,12 +8,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from microserving.limits import MAX_CACHE_SALT_CHARS, MAX_TOP_LOGPROBS
+
 from .api import Continuation, InvalidRequestError, SamplingParams
 
-MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_PENALTY = 2.0
-MAX_CACHE_SALT_CHARS = 256
 
 
 def check_request_id(request_id: object) -> str:
