@@ -9,22 +9,15 @@ from collections.abc import Sequence
 
 from engine_shim.engine import validation as rules
 from engine_shim.engine.api import InvalidRequestError, SamplingParams
-from microserving.limits import (
-    MAX_CHOICES,
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_REQUEST_ID_CHARS,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-)
+from microserving import limits
 
 MAX_KV_ADDR_INFO_BYTES = 1024 * 1024
 
 
 def check_request_id(request_id: str) -> None:
-    if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
+    if not 1 <= len(request_id) <= limits.MAX_REQUEST_ID_CHARS:
         raise InvalidRequestError(
-            f"request_id must be 1..{MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
+            f"request_id must be 1..{limits.MAX_REQUEST_ID_CHARS} characters, got {len(request_id)}"
         )
     # Printable ASCII is exactly " ".."~"; two C-level passes instead of a Python loop over
     # the characters (this runs on every KV message of a request too).
@@ -56,21 +49,21 @@ def check_context(num_prompt_tokens: int, sampling: SamplingParams, max_context:
 def check_sampling(sampling: SamplingParams, vocab_size: int) -> None:
     """The shim's size limits on a call (how many choices, stops and biases), then the
     engine's rules for each value."""
-    if not 1 <= sampling.n <= MAX_CHOICES:
-        raise InvalidRequestError(f"n must be in [1, {MAX_CHOICES}], got {sampling.n}")
+    if not 1 <= sampling.n <= limits.MAX_CHOICES:
+        raise InvalidRequestError(f"n must be in [1, {limits.MAX_CHOICES}], got {sampling.n}")
     _check_sizes(sampling)
     rules.check_sampling_values(sampling, vocab_size)
 
 
 def _check_sizes(sampling: SamplingParams) -> None:
-    if len(sampling.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError(f"at most {MAX_STOP_STRINGS} stop strings")
-    if any(not s or len(s) > MAX_STOP_STRING_CHARS for s in sampling.stop):
-        raise InvalidRequestError(f"stop strings must be 1..{MAX_STOP_STRING_CHARS} characters")
-    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidRequestError(f"at most {MAX_LOGIT_BIAS_ENTRIES} logit_bias entries")
+    if len(sampling.stop) > limits.MAX_STOP_STRINGS:
+        raise InvalidRequestError(f"at most {limits.MAX_STOP_STRINGS} stop strings")
+    if any(not s or len(s) > limits.MAX_STOP_STRING_CHARS for s in sampling.stop):
+        raise InvalidRequestError(f"stop strings must be 1..{limits.MAX_STOP_STRING_CHARS} characters")
+    if len(sampling.stop_token_ids) > limits.MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"at most {limits.MAX_STOP_TOKEN_IDS} stop token ids")
+    if len(sampling.logit_bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"at most {limits.MAX_LOGIT_BIAS_ENTRIES} logit_bias entries")
     rules.check_cache_salt(sampling.cache_salt)  # the engine checks it too, past the call's front
 
 

@@ -11,16 +11,7 @@ import math
 import weakref
 from dataclasses import dataclass
 
-from microserving.limits import (
-    MAX_CACHE_SALT_CHARS,
-    MAX_CHOICES,
-    MAX_LOGIT_BIAS_ENTRIES,
-    MAX_REQUEST_ID_CHARS,
-    MAX_STOP_STRING_CHARS,
-    MAX_STOP_STRINGS,
-    MAX_STOP_TOKEN_IDS,
-    MAX_TOP_LOGPROBS,
-)
+from microserving import limits
 from microserving.tokenizer import Tokenizer
 from microserving.v1 import common_pb2, router_pb2
 from router.errors import ContextLengthError, InvalidRequestError, ModelNotFoundError
@@ -46,8 +37,8 @@ class PreparedRequest:
 
 
 def check_request_id(request_id: str) -> None:
-    if not 1 <= len(request_id) <= MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError(f"request_id must hold 1..{MAX_REQUEST_ID_CHARS} characters",
+    if not 1 <= len(request_id) <= limits.MAX_REQUEST_ID_CHARS:
+        raise InvalidRequestError(f"request_id must hold 1..{limits.MAX_REQUEST_ID_CHARS} characters",
                                   param="request_id")
 
 
@@ -172,29 +163,29 @@ def check_sampling(sampling: common_pb2.SamplingParams, vocab_size: int) -> None
         raise InvalidRequestError("top_k must be >= 0", param="sampling.top_k")
     if sampling.HasField("max_tokens") and sampling.max_tokens < 1:
         raise InvalidRequestError("max_tokens must be >= 1", param="sampling.max_tokens")
-    if sampling.HasField("n") and not 1 <= sampling.n <= MAX_CHOICES:
-        raise InvalidRequestError(f"n must lie in [1, {MAX_CHOICES}]", param="sampling.n")
+    if sampling.HasField("n") and not 1 <= sampling.n <= limits.MAX_CHOICES:
+        raise InvalidRequestError(f"n must lie in [1, {limits.MAX_CHOICES}]", param="sampling.n")
     _check_range(sampling.frequency_penalty, -2.0, 2.0, "sampling.frequency_penalty")
     _check_range(sampling.presence_penalty, -2.0, 2.0, "sampling.presence_penalty")
-    if len(sampling.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
-        raise InvalidRequestError(f"logit_bias takes at most {MAX_LOGIT_BIAS_ENTRIES} entries",
+    if len(sampling.logit_bias) > limits.MAX_LOGIT_BIAS_ENTRIES:
+        raise InvalidRequestError(f"logit_bias takes at most {limits.MAX_LOGIT_BIAS_ENTRIES} entries",
                                   param="sampling.logit_bias")
     for token_id, bias in sampling.logit_bias.items():
         if not 0 <= token_id < vocab_size:
             raise InvalidRequestError("logit_bias keys must be token ids", param="sampling.logit_bias")
         _check_range(bias, -100.0, 100.0, "sampling.logit_bias")
-    if not 0 <= sampling.top_logprobs <= MAX_TOP_LOGPROBS:
-        raise InvalidRequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}]",
+    if not 0 <= sampling.top_logprobs <= limits.MAX_TOP_LOGPROBS:
+        raise InvalidRequestError(f"top_logprobs must lie in [0, {limits.MAX_TOP_LOGPROBS}]",
                                   param="sampling.top_logprobs")
-    if len(sampling.stop) > MAX_STOP_STRINGS or any(
-            not 1 <= len(s) <= MAX_STOP_STRING_CHARS for s in sampling.stop):
-        raise InvalidRequestError(f"stop takes up to {MAX_STOP_STRINGS} strings of 1.."
-                                  f"{MAX_STOP_STRING_CHARS} characters", param="sampling.stop")
-    if len(sampling.cache_salt) > MAX_CACHE_SALT_CHARS:
-        raise InvalidRequestError(f"cache_salt takes at most {MAX_CACHE_SALT_CHARS} characters",
+    if len(sampling.stop) > limits.MAX_STOP_STRINGS or any(
+            not 1 <= len(s) <= limits.MAX_STOP_STRING_CHARS for s in sampling.stop):
+        raise InvalidRequestError(f"stop takes up to {limits.MAX_STOP_STRINGS} strings of 1.."
+                                  f"{limits.MAX_STOP_STRING_CHARS} characters", param="sampling.stop")
+    if len(sampling.cache_salt) > limits.MAX_CACHE_SALT_CHARS:
+        raise InvalidRequestError(f"cache_salt takes at most {limits.MAX_CACHE_SALT_CHARS} characters",
                                   param="sampling.cache_salt")
-    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids",
+    if len(sampling.stop_token_ids) > limits.MAX_STOP_TOKEN_IDS:
+        raise InvalidRequestError(f"stop_token_ids takes at most {limits.MAX_STOP_TOKEN_IDS} ids",
                                   param="sampling.stop_token_ids")
     if any(not 0 <= t < vocab_size for t in sampling.stop_token_ids):
         raise InvalidRequestError("stop_token_ids must be token ids", param="sampling.stop_token_ids")
