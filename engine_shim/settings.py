@@ -22,7 +22,8 @@ Role = Literal["prefill", "decode", "both"]
 
 # Prompt tokens a prefill shim's step computes (DEFAULT_PREFILL_CHUNK elsewhere). The chunk
 # bounds a step's time for the decode rows that share it (their ITL); a prefill-only engine
-# has none, and there a larger chunk drains a burst of prompts in fewer steps, each a pass over the weights (GPU run 46-47, docs/gpu.md:
+# has none, and there a larger chunk drains a burst of prompts in fewer steps, each a pass
+# over the weights (GPU run 46-47, docs/gpu.md:
 # on one H100 P's chunk of 2048 against 512 cut disagg's mean first token at 64 and 128
 # streams; vLLM's and SGLang's prefill instances run chunks of thousands of tokens too).
 PREFILL_ROLE_CHUNK = 2048

@@ -12,7 +12,7 @@ from torch import nn
 
 from . import triton_fused
 from .config import ModelConfig
-from .model import CausalLM, rope_inv_freq
+from .model import CausalLM
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -30,8 +30,7 @@ def build_model(
     # Build on the meta device so no memory is spent on weights that are replaced at once.
     with torch.device("meta"):
         model = CausalLM(config)
-    _materialize(model, "cpu")
-    model.model.rotary_emb.inv_freq = rope_inv_freq(config)
+    _materialize(model, "cpu")  # the RoPE table, computed on the CPU, is kept as it is
     if model_dir is None:
         init_random_weights(model, config, seed)
     else:
@@ -47,16 +46,19 @@ def build_model(
 
 
 def _materialize(model: nn.Module, device: str) -> None:
-    """Module.to_empty(device) without torch.empty_like on meta tensors, which runs through
-    torch._refs and imports sympy on first use (0.35 s of every shim's start on the development
-    VM). As with to_empty, a tensor two modules share (tied weights) becomes two: build_model
-    ties them again, and the seeded initialisation draws for each as it always has."""
+    """Module.to_empty(device) for the tensors still on the meta device, without
+    torch.empty_like on them, which runs through torch._refs and imports sympy on first use
+    (0.35 s of every shim's start on the development VM). As with to_empty, a tensor two
+    modules share (tied weights) becomes two: build_model ties them again, and the seeded
+    initialisation draws for each as it always has."""
     for module in model.modules():
         for name, param in list(module.named_parameters(recurse=False)):
-            fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
-            setattr(module, name, nn.Parameter(fresh, param.requires_grad))
+            if param.is_meta:
+                fresh = torch.empty(param.shape, dtype=param.dtype, device=device)
+                setattr(module, name, nn.Parameter(fresh, param.requires_grad))
         for name, buffer in list(module.named_buffers(recurse=False)):
-            setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
+            if buffer.is_meta:
+                setattr(module, name, torch.empty(buffer.shape, dtype=buffer.dtype, device=device))
 
 
 def init_random_weights(model: CausalLM, config: ModelConfig, seed: int) -> None:
