@@ -37,6 +37,7 @@ from .api import (
     status_from_fields,
     unpack_output,
 )
+from .block_manager import Slots
 from .config import EngineConfig
 from .core_loop import (
     EVENTS,
@@ -362,7 +363,7 @@ class AsyncEngine:
     async def held_send(
         self, request_id: str, token_ids: Sequence[int], begin: int, end: int, cache_salt: str = "",
         *, fetch_slots: bool = True, on_accepted: Callable[[], None] | None = None,
-    ) -> AsyncIterator[list[int] | None]:
+    ) -> AsyncIterator[Slots | None]:
         """Compute KV of prompt[:end] and hold the job's pages: yields the pool slots of
         [begin, end), which a transfer engine reads in place (None with `fetch_slots` off:
         the core's side reads them itself, a round trip less); on exit the job is released

@@ -52,6 +52,7 @@ from engine_shim.engine.api import (
     SamplingParams,
     UnavailableError,
 )
+from engine_shim.engine.block_manager import Slots
 from engine_shim.engine.config import EngineConfig
 from engine_shim.settings import ShimSettings, core_in_own_process
 
@@ -392,7 +393,7 @@ class EmbeddedBackend:
     def _held_send(
         self, request_id: str, token_ids: Sequence[int], begin: int, end: int,
         sampling: SamplingParams, times: WriteTimes, started: float,
-    ) -> AbstractAsyncContextManager[list[int] | None]:
+    ) -> AbstractAsyncContextManager[Slots | None]:
         """The engine's send of [begin, end), held for a NIXL write (AsyncEngine.held_send)."""
         assert self._nixl is not None  # only where NIXL writes
 
@@ -409,7 +410,7 @@ class EmbeddedBackend:
         request_id: str,
         begin: int,
         addr: KVAddrInfo,
-        held: AbstractAsyncContextManager[list[int] | None],
+        held: AbstractAsyncContextManager[Slots | None],
         times: WriteTimes,
         started: float,
     ) -> SendResult:

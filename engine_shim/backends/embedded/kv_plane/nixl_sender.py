@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +29,7 @@ from engine_shim.backends.embedded.kv_plane.sender import (
 )
 from engine_shim.convert import layout_to_pb
 from engine_shim.engine.api import UnavailableError
+from engine_shim.engine.block_manager import Slots
 from microserving.v1 import engine_pb2
 
 logger = logging.getLogger(__name__)
@@ -78,7 +78,7 @@ async def write_kv(
     peers: PeerChannels,
     plane: KVWritePlane,
     addr: KVAddrInfo,
-    held: AbstractAsyncContextManager[Sequence[int] | None],
+    held: AbstractAsyncContextManager[Slots | None],
     *,
     send_id: str,
     window_begin: int,
@@ -135,7 +135,7 @@ async def _write_early(
     offer: NixlOffer,
     local: HeldSlots,
     remote: np.ndarray,
-    held: AbstractAsyncContextManager[Sequence[int] | None],
+    held: AbstractAsyncContextManager[Slots | None],
     write_timeout_s: float,
     times: WriteTimes,
     started: float,
