@@ -110,6 +110,8 @@ def _bad_calls(engine) -> list[tuple[str, type[Exception], object]]:
         ("empty prompt", InvalidRequestError, lambda: engine.add_request("e", [], GREEDY)),
         ("token >= vocab", InvalidRequestError, lambda: engine.add_request("e", [1, v], GREEDY)),
         ("negative token", InvalidRequestError, lambda: engine.add_request("e", [-1, 2], GREEDY)),
+        ("bool token", InvalidRequestError, lambda: engine.add_request("e", [1, True], GREEDY)),
+        ("float token", InvalidRequestError, lambda: engine.remote_send("e", [*ok[:-1], 2.0], 0, 5)),
         ("prep_recv end == len", InvalidRequestError, lambda: engine.prep_recv("e", ok, 20)),
         ("prep_recv end < -len", InvalidRequestError, lambda: engine.prep_recv("e", ok, -21)),
         ("remote_send begin == end", InvalidRequestError, lambda: engine.remote_send("e", ok, 5, 5)),
