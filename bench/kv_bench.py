@@ -25,13 +25,14 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
 from bench.procs import ServiceGroup
 from microserving.transport import TransportSettings, create_channel
-from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
+from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
 
 
 def _memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
@@ -61,7 +62,7 @@ def _offering_only(kv_addr_info: bytes, path: str) -> bytes:
 
 
 async def _transfer(
-    p_stub, d_stub, request_id: str, tokens: list[int], path: str, num_sent: dict[str, int]
+    p_stub, d_stub, request_id: str, tokens: Sequence[int], path: str, num_sent: dict[str, int]
 ) -> tuple[int, float]:
     sampling = common_pb2.SamplingParams(temperature=0.0)
     prep = await d_stub.PrepRecv(
@@ -262,7 +263,10 @@ async def _measure_sizes(
         # multiple of the page size, so after the cold run P's prefix cache holds all of
         # it and a warm RemoteSend computes nothing (a partial last page would be
         # recomputed every time and measured as transfer).
-        tokens = [(i * 7919) % 256 for i in range(n + 1)]
+        # Held as the router holds an attempt's prompt (EngineJob.wire_token_ids): one
+        # message field that each call's ids are copied from, so a timed RemoteSend does not
+        # also time building 8k ids from a list (0.2 ms), which no router call pays.
+        tokens = router_pb2.TokenIds(ids=[(i * 7919) % 256 for i in range(n + 1)]).ids
         cold_bytes, cold_s = await _transfer(
             p_stub, d_stub, f"cold-{n}", tokens, "grpc", num_sent
         )

@@ -18,6 +18,7 @@ from engine_shim.engine.api import (
     OnFirst,
     SamplingParams,
 )
+from engine_shim.engine.validation import TokenIds
 
 # Told when a KV push into a reservation begins (True) and ends (False): the shim's request
 # tracker holds its view of the reservation alike.
@@ -95,14 +96,14 @@ class Backend(Protocol):
     async def shutdown(self) -> None: ...
 
     async def prep_recv(
-        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, end: int, sampling: SamplingParams,
         whole_prompt: bool = False,
     ) -> Reservation: ...
 
     async def remote_send(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         begin: int,
         end: int,
         kv_addr_info: bytes,
@@ -113,7 +114,7 @@ class Backend(Protocol):
     async def remote_send_later(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         begin: int,
         end: int,
         sampling: SamplingParams,
@@ -134,7 +135,7 @@ class Backend(Protocol):
         ...
 
     def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         """Stream outputs; closing the iterator early aborts the request. `after_kv`
@@ -146,7 +147,7 @@ class Backend(Protocol):
         ...
 
     async def run_generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
         continuations: Sequence[Continuation] = (),
     ) -> None:

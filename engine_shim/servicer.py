@@ -7,6 +7,8 @@ import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Generator, Sequence
 from typing import Any
 
+import numpy as np
+import numpy.typing as npt
 from grpc import aio
 
 from engine_shim import validation
@@ -56,12 +58,12 @@ class EngineServicer(engine_pb2_grpc.EngineServicer):
 
     def _checked(
         self, request_id: str, token_ids: Sequence[int], sampling_pb: common_pb2.SamplingParams
-    ) -> tuple[list[int], SamplingParams]:
+    ) -> tuple[npt.NDArray[np.integer], SamplingParams]:
         """Checks shared by every call that carries a prompt."""
         self._check_serving()
         info = self._backend.info
         validation.check_request_id(request_id)
-        tokens = list(token_ids)
+        tokens = validation.token_ids(token_ids)
         validation.check_token_ids(tokens, info.vocab_size, self._max_prompt_tokens)
         sampling = sampling_from_pb(sampling_pb)
         validation.check_sampling(sampling, info.vocab_size)

@@ -45,7 +45,7 @@ async def prep_recv(
     tokens follows)."""
     attempt.touch(endpoint.address)
     message = engine_pb2.PrepRecvRequest(
-        request_id=job.request_id, token_ids=job.token_ids, end=end, sampling=job.sampling,
+        request_id=job.request_id, token_ids=job.wire_token_ids, end=end, sampling=job.sampling,
         whole_prompt=whole_prompt,
     )
     started_s = time.perf_counter()
@@ -75,7 +75,7 @@ async def remote_send(
     """RemoteSend on the sender; returns once the KV reached the receiver. When the sender
     says the receiver failed (trailing metadata), the error names `receiver` (if known)."""
     message = engine_pb2.RemoteSendRequest(
-        request_id=job.request_id, token_ids=job.token_ids, begin=begin, end=end,
+        request_id=job.request_id, token_ids=job.wire_token_ids, begin=begin, end=end,
         kv_addr_info=kv_addr_info, recv_rank=recv_rank, sampling=job.sampling,
     )
     await _remote_send(engines, endpoint, job, attempt, message, _call_stream(engines, endpoint, job, attempt),
@@ -144,7 +144,7 @@ class SendAhead:
         self._request_id = job.request_id
         self._begin = 0
         message = engine_pb2.RemoteSendRequest(
-            request_id=job.request_id, token_ids=job.token_ids, begin=0, end=end,
+            request_id=job.request_id, token_ids=job.wire_token_ids, begin=0, end=end,
             sampling=job.sampling, kv_addr_follows=True, sample_first_token=sample_first,
         )
         self.first: asyncio.Future[engine_pb2.GenerateOutput] = asyncio.get_running_loop().create_future()
@@ -274,7 +274,7 @@ def _start_message(
     attempt.touch(endpoint.address)
     attempt.claim(endpoint)
     return engine_pb2.StartGenerateRequest(
-        request_id=job.request_id, token_ids=job.token_ids, begin=begin, sampling=job.sampling,
+        request_id=job.request_id, token_ids=job.wire_token_ids, begin=begin, sampling=job.sampling,
         traceparent=attempt.traceparent,
     )
 

@@ -55,6 +55,7 @@ from .core_loop import (
 from .core_process import ProcessDriver
 from .disaggregation import EngineEvent, FirstTokens, SendFailed, SendReady, StartFailed
 from .llm_engine import LLMEngine
+from .validation import TokenIds, own_ids
 
 if TYPE_CHECKING:
     import torch
@@ -308,7 +309,7 @@ class AsyncEngine:
     async def prep_recv(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         end: int,
         sampling: SamplingParams | None = None,
         held: bool = False,
@@ -317,7 +318,7 @@ class AsyncEngine:
         """`held`: the reservation has no TTL in the engine; the caller ends it
         (submit_expire_reservation) or consumes it. `whole_prompt`: as LLMEngine.prep_recv's."""
         result: PrepRecvResult = await self._call(
-            "prep_recv", request_id, list(token_ids), end, sampling, held, whole_prompt
+            "prep_recv", request_id, own_ids(token_ids), end, sampling, held, whole_prompt
         )
         return result
 
@@ -361,7 +362,7 @@ class AsyncEngine:
 
     @contextlib.asynccontextmanager
     async def held_send(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int, cache_salt: str = "",
+        self, request_id: str, token_ids: TokenIds, begin: int, end: int, cache_salt: str = "",
         *, fetch_slots: bool = True, on_accepted: Callable[[], None] | None = None,
     ) -> AsyncIterator[Slots | None]:
         """Compute KV of prompt[:end] and hold the job's pages: yields the pool slots of
@@ -370,7 +371,7 @@ class AsyncEngine:
         (its pages to the prefix cache after a clean exit, freed otherwise). The release is
         not awaited: the core runs it in order, before any later call. `on_accepted` is
         called once the core has taken the job (for timing: queue and compute come after)."""
-        ids = list(token_ids)
+        ids = own_ids(token_ids)
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:
@@ -424,13 +425,13 @@ class AsyncEngine:
         return sink.sampling
 
     async def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         """start_generate: stream outputs until the request finishes. `after_kv`: the
         engine starts it once its reservation's KV is complete; `continuations`: its output
         began on the engine that sent the KV (LLMEngine.start_generate)."""
-        ids = list(token_ids)
+        ids = own_ids(token_ids)
         stream = self._open_stream(self._generate_queues, request_id)
         is_done = True  # until the engine accepted the request there is nothing to abort
         try:
@@ -453,7 +454,7 @@ class AsyncEngine:
                 self._submit_nowait("abort", request_id)
 
     async def run_generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
         continuations: Sequence[Continuation] = (),
     ) -> None:
@@ -462,7 +463,7 @@ class AsyncEngine:
         fails. Cancelling it aborts the request."""
         if self._loop is None:
             raise UnavailableError("engine is not running")
-        ids = list(token_ids)
+        ids = own_ids(token_ids)
         if request_id in self._generate_queues:
             raise AlreadyExistsError(f"request {request_id!r} is already streaming")
         done: asyncio.Future[None] = self._loop.create_future()
@@ -486,7 +487,7 @@ class AsyncEngine:
     async def remote_send(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         begin: int,
         end: int,
         export_into: Callable[[int, int], torch.Tensor] | None = None,
@@ -501,7 +502,7 @@ class AsyncEngine:
         exported into (a shared-memory stage) instead of a new CPU tensor. `window`, when
         given, is awaited once the KV is computed for where the export starts (at or after
         `begin`) and `export_into`: a send whose receiver was not known when it began."""
-        ids = list(token_ids)
+        ids = own_ids(token_ids)
         stream = self._open_stream(self._send_queues, request_id)
         is_released = True
         try:

@@ -105,7 +105,8 @@ class CompatService:
             tokens = self.engine.tokenizer.encode(request.prompt)
         else:
             tokens = list(request.prompt)
-        validation.check_token_ids(tokens, self.engine.vocab_size, self.engine.max_context_length)
+        validation.check_token_ids(
+            validation.token_ids(tokens), self.engine.vocab_size, self.engine.max_context_length)
         sampling = request.sampling()
         validation.check_sampling(sampling, self.engine.vocab_size)
         validation.check_context(len(tokens), sampling, self.engine.max_context_length)

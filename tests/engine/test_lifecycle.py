@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from engine_test_utils import GREEDY, finish_of, generate_alone, random_prompt, tokens_of
@@ -94,6 +95,19 @@ def test_remote_send_job_is_released_after_export(make_engine) -> None:
     assert engine.status().prefix_cache.num_cached_pages == 5  # [0, 90) -> 5 full pages
 
 
+def test_a_prompt_given_as_an_integer_array_is_the_same_prompt(make_engine) -> None:
+    """The shim hands the core a gRPC message's ids as an int32 array: the engine generates
+    what it generates from the list, and the array's pages are the list's prefix."""
+    engine = make_engine()
+    ids = random_prompt(9, 70)
+    expected = generate_alone(engine, "as-list", ids, GREEDY)
+    hits = engine.status().prefix_cache.num_hit_tokens
+    assert generate_alone(engine, "as-array", np.array(ids, dtype=np.int32), GREEDY) == expected
+    assert engine.status().prefix_cache.num_hit_tokens - hits == 64  # the list's 4 full pages
+    chunks = engine.run_remote_send("send", np.array(ids, dtype=np.int64), 0, 48)
+    assert [(c.begin, c.num_tokens) for c in chunks] == [(0, 48)]
+
+
 @pytest.fixture(scope="module")
 def shared_engine():
     from engine_shim.engine.config import EngineConfig
@@ -112,6 +126,14 @@ def _bad_calls(engine) -> list[tuple[str, type[Exception], object]]:
         ("negative token", InvalidRequestError, lambda: engine.add_request("e", [-1, 2], GREEDY)),
         ("bool token", InvalidRequestError, lambda: engine.add_request("e", [1, True], GREEDY)),
         ("float token", InvalidRequestError, lambda: engine.remote_send("e", [*ok[:-1], 2.0], 0, 5)),
+        # Arrays (as the shim hands a gRPC message's ids over) are checked by dtype and range.
+        ("bool array", InvalidRequestError, lambda: engine.add_request("e", np.array([True, False]), GREEDY)),
+        ("float array", InvalidRequestError, lambda: engine.prep_recv("e", np.array([1.0, 2.0, 3.0]), -1)),
+        ("2-D array", InvalidRequestError, lambda: engine.add_request("e", np.array([[1, 2]]), GREEDY)),
+        ("empty array", InvalidRequestError, lambda: engine.add_request("e", np.array([], np.int32), GREEDY)),
+        ("array token >= vocab", InvalidRequestError,
+         lambda: engine.remote_send("e", np.array([*ok[:-1], v], np.int32), 0, 5)),
+        ("negative array token", InvalidRequestError, lambda: engine.add_request("e", np.array([3, -1]), GREEDY)),
         ("prep_recv end == len", InvalidRequestError, lambda: engine.prep_recv("e", ok, 20)),
         ("prep_recv end < -len", InvalidRequestError, lambda: engine.prep_recv("e", ok, -21)),
         ("remote_send begin == end", InvalidRequestError, lambda: engine.remote_send("e", ok, 5, 5)),

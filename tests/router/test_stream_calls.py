@@ -20,19 +20,24 @@ _ids = itertools.count()
 @pytest.mark.parametrize("engine_stream", [True, False])
 async def test_disagg_calls_ride_the_engine_streams(shims, monkeypatch, engine_stream: bool) -> None:
     made: list[tuple[str, str]] = []  # (call, engine address) of every call made on a stream
+    prompts: list[list[int]] = []  # the ids each of those calls carried
     real_call = EngineStream.call
 
     async def recorded(self: EngineStream, request_id: str, message: engine_pb2.EngineGenerateRequest,
                        timeout_s: float | None, on_first: Any = None) -> Any:
-        made.append((str(message.WhichOneof("action")), self.endpoint.address))
+        action = str(message.WhichOneof("action"))
+        made.append((action, self.endpoint.address))
+        prompts.append(list(getattr(message, action).token_ids))
         return await real_call(self, request_id, message, timeout_s, on_first)
 
     monkeypatch.setattr(EngineStream, "call", recorded)
     prefill, decode = shims[0].address, shims[1].address
     # A prompt no engine has cached, long enough for P to send KV.
-    await disagg_matches_one_engine(shims, [*range(30, 90), 7 + next(_ids)], engine_stream=engine_stream)
+    prompt = [*range(30, 90), 7 + next(_ids)]
+    await disagg_matches_one_engine(shims, prompt, engine_stream=engine_stream)
     expected = [("prep_recv", decode), ("remote_send", prefill)] if engine_stream else []
     assert made == expected
+    assert prompts == [prompt] * len(expected)  # the attempt's one wire copy of the prompt
 
 
 @pytest.mark.parametrize("start_after_kv", [True, False])

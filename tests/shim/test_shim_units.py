@@ -7,6 +7,7 @@ import base64
 import json
 
 import grpc
+import numpy as np
 import pytest
 
 from engine_shim import validation
@@ -32,6 +33,7 @@ from engine_shim.mlc_http.kv_relay import decode_kv_append_metadata, encode_kv_a
 from engine_shim.requests import RequestTracker
 from engine_shim.settings import PREFILL_ROLE_CHUNK, ShimSettings
 from engine_shim.token_bytes import TokenBytes
+from microserving.v1 import engine_pb2
 
 LAYOUT = KVLayout("fp", "float32", 4, 2, 32, 16)
 
@@ -162,6 +164,27 @@ def test_mlc_body_carries_user_debug_config_and_windows():
     assert protocol.completion_body("m", "r", [1], SamplingParams())["debug_config"] == {}
     with pytest.raises(InvalidRequestError):
         protocol.completion_body("m", "r", [1], SamplingParams(top_k=5))
+
+
+def test_a_calls_ids_become_one_checked_array():
+    ids = engine_pb2.RemoteSendRequest(token_ids=[5, 0, 2**31 - 1]).token_ids
+    array = validation.token_ids(ids)
+    assert isinstance(array, np.ndarray) and array.tolist() == [5, 0, 2**31 - 1]
+    validation.check_token_ids(array[:2], vocab_size=6, max_prompt_tokens=2)
+    for bad, message in [
+        ([], "prompt is empty"), ([1, 2, 3], "limit 2"), ([1, 6], "token id 6 outside"),
+        ([-3, 1], "token id -3 outside"),
+    ]:
+        with pytest.raises(InvalidRequestError, match=message):
+            validation.check_token_ids(validation.token_ids(bad), vocab_size=6, max_prompt_tokens=2)
+    for bad in ([1.5], [True], [[1, 2]], ["1"]):
+        with pytest.raises(InvalidRequestError, match="must be integers"):
+            validation.token_ids(bad)
+
+
+def test_mlc_body_from_an_array_carries_plain_ints():
+    body = protocol.completion_body("m", "r", np.array([7, 8], dtype=np.int32), SamplingParams())
+    assert json.loads(json.dumps(body))["prompt"] == [7, 8]
 
 
 def test_mlc_preempt_maps_to_the_preempt_finish_reason():

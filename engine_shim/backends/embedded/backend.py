@@ -54,6 +54,7 @@ from engine_shim.engine.api import (
 )
 from engine_shim.engine.block_manager import Slots
 from engine_shim.engine.config import EngineConfig
+from engine_shim.engine.validation import TokenIds
 from engine_shim.settings import ShimSettings, core_in_own_process
 
 if TYPE_CHECKING:
@@ -218,14 +219,14 @@ class EmbeddedBackend:
         return KVTransferServicer(self._table, self, lambda: self._nixl, on_hold)
 
     async def prep_recv(
-        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, end: int, sampling: SamplingParams,
         whole_prompt: bool = False,
     ) -> Reservation:
         # Where a NIXL write may come, the ticket's TTL is the reservation's only one (the
         # engine's has none): a claim then begins the write without the engine's round trip.
         held = self._nixl is not None
         call = asyncio.ensure_future(
-            self.engine.prep_recv(request_id, list(token_ids), end, sampling, held, whole_prompt)
+            self.engine.prep_recv(request_id, token_ids, end, sampling, held, whole_prompt)
         )
         try:
             result = await asyncio.shield(call)
@@ -263,7 +264,7 @@ class EmbeddedBackend:
     async def remote_send(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         begin: int,
         end: int,
         kv_addr_info: bytes,
@@ -282,7 +283,7 @@ class EmbeddedBackend:
     async def remote_send_later(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         begin: int,
         end: int,
         sampling: SamplingParams,
@@ -314,7 +315,7 @@ class EmbeddedBackend:
             return await self._push(request_id, token_ids, addr, sampling)
         window: asyncio.Future[tuple[int, Any]] = asyncio.get_running_loop().create_future()
         ahead = ChunksAhead(
-            self.engine.remote_send(request_id, list(token_ids), begin, end,
+            self.engine.remote_send(request_id, token_ids, begin, end,
                                     cache_salt=sampling.cache_salt, window=window),
             window,
         )
@@ -342,13 +343,13 @@ class EmbeddedBackend:
         return addr
 
     async def _push(
-        self, request_id: str, token_ids: Sequence[int], addr: KVAddrInfo, sampling: SamplingParams
+        self, request_id: str, token_ids: TokenIds, addr: KVAddrInfo, sampling: SamplingParams
     ) -> SendResult:
         """The shared-memory stage or the gRPC push, for [addr.begin, addr.end)."""
         stage = self._stage(addr)
         started = time.perf_counter()
         chunks: AsyncIterator[KVChunk] = self.engine.remote_send(
-            request_id, list(token_ids), addr.begin, addr.end, self._export_into(addr, stage),
+            request_id, token_ids, addr.begin, addr.end, self._export_into(addr, stage),
             sampling.cache_salt,
         )
         return await self._push_chunks(request_id, addr, chunks, stage, started)
@@ -391,7 +392,7 @@ class EmbeddedBackend:
         return True
 
     def _held_send(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int,
+        self, request_id: str, token_ids: TokenIds, begin: int, end: int,
         sampling: SamplingParams, times: WriteTimes, started: float,
     ) -> AbstractAsyncContextManager[Slots | None]:
         """The engine's send of [begin, end), held for a NIXL write (AsyncEngine.held_send)."""
@@ -401,7 +402,7 @@ class EmbeddedBackend:
             times.accept_ms = (time.perf_counter() - started) * 1e3
 
         return self.engine.held_send(
-            request_id, list(token_ids), begin, end, sampling.cache_salt,
+            request_id, token_ids, begin, end, sampling.cache_salt,
             fetch_slots=not self._nixl.reads_held_slots, on_accepted=accepted,
         )
 
@@ -441,11 +442,11 @@ class EmbeddedBackend:
         return self.engine.sampling_first(request_id, sampling, on_first)
 
     async def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         async with self._starting(request_id, after_kv) as in_engine:
-            outputs = self.engine.generate(request_id, list(token_ids), begin, sampling, in_engine, continuations)
+            outputs = self.engine.generate(request_id, token_ids, begin, sampling, in_engine, continuations)
             try:
                 async for output in outputs:
                     yield output
@@ -453,12 +454,12 @@ class EmbeddedBackend:
                 await outputs.aclose()  # type: ignore[attr-defined]  # AsyncEngine aborts on close
 
     async def run_generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
         continuations: Sequence[Continuation] = (),
     ) -> None:
         async with self._starting(request_id, after_kv) as in_engine:
-            await self.engine.run_generate(request_id, list(token_ids), begin, sampling, on_output, in_engine,
+            await self.engine.run_generate(request_id, token_ids, begin, sampling, on_output, in_engine,
                                            continuations)
 
     @contextlib.asynccontextmanager

@@ -46,6 +46,7 @@ from engine_shim.engine.api import (
     UnavailableError,
     Usage,
 )
+from engine_shim.engine.validation import TokenIds
 from engine_shim.settings import ShimSettings
 from engine_shim.token_bytes import TokenBytes
 from microserving.tokenizer import Tokenizer
@@ -144,7 +145,7 @@ class MLCBackend:
             raise UnavailableError(f"MLC call {path} failed: {error!r}") from None
 
     def _base(
-        self, request_id: str, token_ids: Sequence[int], sampling: SamplingParams
+        self, request_id: str, token_ids: TokenIds, sampling: SamplingParams
     ) -> dict[str, Any]:
         if sampling.cache_salt and self._settings.enable_prefix_cache:
             # MLC's prefix cache has one scope for everyone: a salted (tenant's) request
@@ -158,7 +159,7 @@ class MLCBackend:
         return protocol.completion_body(self._model_name, request_id, token_ids, sampling)
 
     async def prep_recv(
-        self, request_id: str, token_ids: Sequence[int], end: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, end: int, sampling: SamplingParams,
         whole_prompt: bool = False,
     ) -> Reservation:
         if whole_prompt:  # the servicer refuses it first (info.samples_first_token is off)
@@ -171,7 +172,7 @@ class MLCBackend:
     async def remote_send(
         self,
         request_id: str,
-        token_ids: Sequence[int],
+        token_ids: TokenIds,
         begin: int,
         end: int,
         kv_addr_info: bytes,
@@ -187,7 +188,7 @@ class MLCBackend:
 
     @contextlib.asynccontextmanager
     async def _start_generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams
     ) -> AsyncIterator[aiohttp.ClientResponse]:
         """The start_generate response, open while the caller reads it."""
         body = protocol.start_generate_body(self._base(request_id, token_ids, sampling), begin)
@@ -212,7 +213,7 @@ class MLCBackend:
         raise InvalidRequestError("sample_first_token: an MLC engine samples only on the receiving side")
 
     async def generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         after_kv: bool = False, continuations: Sequence[Continuation] = (),
     ) -> AsyncIterator[GenerateOutput]:
         _refuse_after_kv(after_kv)
@@ -222,14 +223,14 @@ class MLCBackend:
                 yield output
 
     async def remote_send_later(
-        self, request_id: str, token_ids: Sequence[int], begin: int, end: int,
+        self, request_id: str, token_ids: TokenIds, begin: int, end: int,
         sampling: SamplingParams, target: Awaitable[SendTarget],
     ) -> SendResult:
         # MLC's remote_send is one HTTP call that takes the receiver's address up front.
         raise InvalidRequestError("kv_addr_follows: an MLC engine needs the receiver's address with the send")
 
     async def run_generate(
-        self, request_id: str, token_ids: Sequence[int], begin: int, sampling: SamplingParams,
+        self, request_id: str, token_ids: TokenIds, begin: int, sampling: SamplingParams,
         on_output: Callable[[GenerateOutput], None], after_kv: bool = False,
         continuations: Sequence[Continuation] = (),
     ) -> None:

@@ -4,7 +4,6 @@ non-null `debug_config`), and CompletionResponse chunks parsed into domain outpu
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from engine_shim.engine.api import (
@@ -16,6 +15,7 @@ from engine_shim.engine.api import (
     TopLogprob,
     Usage,
 )
+from engine_shim.engine.validation import TokenIds, id_list
 from engine_shim.token_bytes import TokenBytes
 from microserving.token_bytes import parse_display_token
 
@@ -29,7 +29,7 @@ _FINISH = {
 
 
 def completion_body(
-    model: str, request_id: str, token_ids: Sequence[int], sampling: SamplingParams
+    model: str, request_id: str, token_ids: TokenIds, sampling: SamplingParams
 ) -> dict[str, Any]:
     """The CompletionRequest every microserving call carries (MLC sends the whole request)."""
     if sampling.top_k:
@@ -40,7 +40,7 @@ def completion_body(
         raise InvalidRequestError(f"the mlc backend supports top_logprobs <= {MAX_MLC_LOGPROBS}")
     body: dict[str, Any] = {
         "model": model,
-        "prompt": list(token_ids),
+        "prompt": id_list(token_ids),
         "temperature": sampling.temperature,
         "top_p": sampling.top_p,
         "n": sampling.n,

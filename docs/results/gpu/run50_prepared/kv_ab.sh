@@ -1,0 +1,42 @@
+# Prepared 2026-12-07 (twenty-first session): a prompt's ids as one array from the shim to the
+# engine core (checked by dtype and range, one buffer through the pipe) against the tree before
+# it (8895f7f, carried as .ab/s49 with this tree's bench/kv_bench.py, so the client is the
+# same), taking turns (new, old, new): kv_bench's NIXL path idle at 1,024 and 8,176 tokens,
+# then a 256-token send with D decoding 64 streams on one Engine.Generate stream; then 8,176
+# tokens alone, old / new twice more; then nixl beside shm and gRPC once on the new tree.
+# Usage: OLD=<old tree> bash kv_ab.sh "$OUT" (from the new tree's root)
+O=$1; mkdir -p "$O"; NEW=$PWD; OLD=${OLD:-$PWD/.ab/s49}; S=/tmp/kvab; mkdir -p $S
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+kv() {  # tag, tree, then kv_bench arguments
+  local tag=$1 tree=$2; shift 2
+  echo "== $tag $(date +%T)"
+  (cd $tree && PYTHONPATH=$tree:/tmp/site timeout ${K_T:-120} python3 -m bench.kv_bench --device cuda \
+    --model llama-1b "$@" > $S/$tag.json 2> $S/$tag.log); echo "rc=$?"
+}
+for round in new1:$NEW old1:$OLD new2:$NEW; do
+  tag=${round%%:*}; tree=${round#*:}
+  kv idle_$tag $tree --tokens 1024 8176 --num-pages 4096 --paths nixl
+  kv load_$tag $tree --tokens 256 --num-pages 8192 --paths nixl --receiver-load 64 --receiver-load-via stream
+done
+for round in old2:$OLD new3:$NEW old3:$OLD new4:$NEW; do
+  tag=${round%%:*}; tree=${round#*:}
+  kv only8k_$tag $tree --tokens 8176 --num-pages 4096 --paths nixl
+done
+kv paths_new $NEW --tokens 1024 8176 --num-pages 4096
+python3 - "$S" "$O" <<'PY'
+import json, pathlib, sys
+src, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+summary = {}
+for path in sorted(src.glob("*.json")):
+    try:
+        rows = json.loads(path.read_text())["rows"]
+    except Exception as error:
+        print(path.stem, "no rows:", error, (src / f"{path.stem}.log").read_text()[-600:]); continue
+    summary[path.stem] = rows
+    for r in rows:
+        line = {k: v for k, v in r.items() if k.endswith(("_s", "gbps", "phases")) or k == "tokens"}
+        print(path.stem, line)
+(out / "kv_ab.json").write_text(json.dumps(summary, indent=1))
+PY
+tail -c 3000 $S/paths_new.log > $O/paths_new.log.txt; tail -c 2000 $S/load_new1.log > $O/load_new1.log.txt
+echo "== end $(date +%T)"
