@@ -7,11 +7,20 @@
 # Usage: OLD=<old tree> bash kv_ab.sh "$OUT" (from the new tree's root)
 O=$1; mkdir -p "$O"; NEW=$PWD; OLD=${OLD:-$PWD/.ab/s49}; S=/tmp/kvab; mkdir -p $S
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-kv() {  # tag, tree, then kv_bench arguments
+kv() {  # tag, tree, then kv_bench arguments; prints the rows at once
   local tag=$1 tree=$2; shift 2
   echo "== $tag $(date +%T)"
   (cd $tree && PYTHONPATH=$tree:/tmp/site timeout ${K_T:-120} python3 -m bench.kv_bench --device cuda \
     --model llama-1b "$@" > $S/$tag.json 2> $S/$tag.log); echo "rc=$?"
+  python3 - $S/$tag.json <<'PY'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except Exception as error:
+    print("no rows:", error); sys.exit()
+for r in rows:
+    print({k: v for k, v in r.items() if k.endswith(("_s", "gbps", "phases")) or k == "tokens"})
+PY
 }
 for round in new1:$NEW old1:$OLD new2:$NEW; do
   tag=${round%%:*}; tree=${round#*:}
@@ -23,20 +32,12 @@ for round in old2:$OLD new3:$NEW old3:$OLD new4:$NEW; do
   kv only8k_$tag $tree --tokens 8176 --num-pages 4096 --paths nixl
 done
 kv paths_new $NEW --tokens 1024 8176 --num-pages 4096
-python3 - "$S" "$O" <<'PY'
+python3 -c "
 import json, pathlib, sys
-src, out = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
-summary = {}
-for path in sorted(src.glob("*.json")):
-    try:
-        rows = json.loads(path.read_text())["rows"]
-    except Exception as error:
-        print(path.stem, "no rows:", error, (src / f"{path.stem}.log").read_text()[-600:]); continue
-    summary[path.stem] = rows
-    for r in rows:
-        line = {k: v for k, v in r.items() if k.endswith(("_s", "gbps", "phases")) or k == "tokens"}
-        print(path.stem, line)
-(out / "kv_ab.json").write_text(json.dumps(summary, indent=1))
-PY
+src = pathlib.Path('$S'); out = {}
+for p in sorted(src.glob('*.json')):
+    try: out[p.stem] = json.loads(p.read_text())['rows']
+    except Exception as e: out[p.stem] = repr(e)
+pathlib.Path('$O/kv_ab.json').write_text(json.dumps(out, indent=1))"
 tail -c 3000 $S/paths_new.log > $O/paths_new.log.txt; tail -c 2000 $S/load_new1.log > $O/load_new1.log.txt
 echo "== end $(date +%T)"
