@@ -66,14 +66,13 @@ def check_token_ids(token_ids: TokenIds, vocab_size: int) -> list[int]:
     return ids
 
 
-def _checked_array(token_ids: npt.NDArray[np.generic], vocab_size: int) -> list[int]:
+def _checked_array(token_ids: npt.NDArray[np.integer], vocab_size: int) -> list[int]:
     if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":  # "b" (bool), "f" refused
         raise InvalidRequestError("token ids must be integers")
     if not token_ids.size:
         raise InvalidRequestError("prompt is empty")
     _check_vocab(int(token_ids.min()), int(token_ids.max()), vocab_size)
-    ids: list[int] = token_ids.tolist()
-    return ids
+    return id_list(token_ids)
 
 
 def _check_vocab(low: int, high: int, vocab_size: int) -> None:
