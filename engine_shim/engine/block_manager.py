@@ -13,8 +13,10 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from microserving.page_hashes import chain_hashes
+
 from .api import PrefixCacheStats
-from .prefix_cache import PrefixCache, chain_hashes
+from .prefix_cache import PrefixCache
 
 
 def num_pages_for(num_tokens: int, page_size: int) -> int:

@@ -17,7 +17,7 @@ from engine_shim.engine.block_manager import (
     slot_segments,
     slots_for_positions,
 )
-from engine_shim.engine.prefix_cache import chain_hashes
+from microserving.page_hashes import chain_hashes
 
 pytestmark = pytest.mark.unit
 

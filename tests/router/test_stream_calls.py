@@ -9,10 +9,20 @@ import itertools
 from typing import Any
 
 import pytest
-from router_stack import disagg_matches_one_engine
+from router_stack import (
+    disagg_matches_one_engine,
+    generate,
+    greedy,
+    router_settings,
+    running_router,
+    wait_for,
+)
 
-from microserving.v1 import engine_pb2
+import router.attempt as attempt_module
+import router.prefix_index as prefix_index_module
+from microserving.v1 import engine_pb2, router_pb2
 from router.engines import EngineStream
+from router.router import Router
 
 _ids = itertools.count()
 
@@ -67,3 +77,38 @@ async def test_disagg_starts_the_decode_with_the_send_where_the_engine_waits_for
         assert events == ["prep_recv returned", "start after_kv=True", "remote_send returned"]
     else:
         assert events == ["prep_recv returned", "remote_send returned", "start after_kv=False"]
+
+
+@pytest.mark.parametrize("pattern", ["disagg", "adaptive-disagg", "round-robin"])
+async def test_a_request_hashes_its_prompt_once_for_placement_and_records(shims, monkeypatch, pattern: str) -> None:
+    """Cache-aware placement of D, then of P, and the records of what each engine now holds
+    use one computation of the prompt's page hashes (EngineJob.page_chain), and the router's
+    index holds exactly what hashing each record's prompt would have given."""
+    real_chain = prefix_index_module.page_hash_chain
+    hashed: list[int] = []
+
+    def counting(token_ids: Any, page_size: int, salt: str = "") -> list[bytes]:
+        hashed.append(len(token_ids))
+        return real_chain(token_ids, page_size, salt)
+
+    monkeypatch.setattr(attempt_module, "page_hash_chain", counting)
+    monkeypatch.setattr(prefix_index_module, "page_hash_chain", counting)
+    prefill, decode = shims[0].address, shims[1].address
+    engines = [f"{prefill}=prefill", f"{decode}=decode"] if pattern != "round-robin" else [decode]
+    router_ = Router(settings=router_settings(engines, pattern=pattern, cache_aware=True))
+    prompt = [*range(100, 170), 3 + next(_ids)]  # 71 ids: 4 full pages of 16
+    async with running_router(router_) as (_, stub):
+        async def statuses_known() -> bool:
+            return all(e.status is not None for e in router_.registry.endpoints)
+
+        assert await wait_for(statuses_known)
+        results = await generate(stub, router_pb2.NewRequest(
+            request_id="once", token_ids=router_pb2.TokenIds(ids=prompt), sampling=greedy(max_tokens=2)))
+        assert results["once"].error is None, results["once"].error
+        assert hashed == [len(prompt)]
+        index = router_.placement.prefix_index
+        chain = real_chain(prompt, index.page_size)
+        assert index.matched_tokens(decode, chain) == 64
+        if pattern != "round-robin" and len(results["once"].done.engines) == 2:
+            # P holds the window it computed: every full page before D's part
+            assert 0 < index.matched_tokens(prefill, chain) <= 64
