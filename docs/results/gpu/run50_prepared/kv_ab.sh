@@ -27,6 +27,8 @@ for round in new1:$NEW old1:$OLD new2:$NEW; do
   kv idle_$tag $tree --tokens 1024 8176 --num-pages 4096 --paths nixl
   kv load_$tag $tree --tokens 256 --num-pages 8192 --paths nixl --receiver-load 64 --receiver-load-via stream
 done
+# SHORT=1 (little device time left): the three turns above only
+[ -n "${SHORT:-}" ] && { echo "== end (short) $(date +%T)"; exit 0; }
 for round in old2:$OLD new3:$NEW old3:$OLD new4:$NEW; do
   tag=${round%%:*}; tree=${round#*:}
   kv only8k_$tag $tree --tokens 8176 --num-pages 4096 --paths nixl
