@@ -29,7 +29,7 @@ Pattern = Callable[[Engines, Placement, EngineJob, Attempt], Awaitable[Decode]]
 
 async def round_robin(engines: Engines, placement: Placement, job: EngineJob, attempt: Attempt) -> Decode:
     """Data parallel (MLC's "round-robin"): the least-loaded engine runs the whole request."""
-    engine = placement.select(DECODE, job.token_ids, attempt, job=job)
+    engine = placement.select(DECODE, job, attempt)
     _record(placement, engine.address, job)
     return calls.decode(engines, engine, job, attempt, 0)
 
@@ -37,12 +37,9 @@ async def round_robin(engines: Engines, placement: Placement, job: EngineJob, at
 def _record(placement: Placement, address: str, job: EngineJob, num_tokens: int | None = None) -> None:
     """Note that `address` now caches the job's prompt (its first `num_tokens`), from the
     job's page hashes."""
-    index, salt = placement.prefix_index, job.sampling.cache_salt
-    chain = job.page_chain(index.page_size, salt)
-    prompt = job.token_ids
-    if num_tokens is not None:
-        prompt, chain = prompt[:num_tokens], chain[:num_tokens // index.page_size]
-    index.record(address, prompt, salt, chain=chain)
+    index = placement.prefix_index
+    chain = job.page_chain(index.page_size, job.sampling.cache_salt)
+    index.record_chain(address, chain if num_tokens is None else chain[:num_tokens // index.page_size])
 
 
 async def _disagg_with_factor(
@@ -116,8 +113,8 @@ async def disagg(engines: Engines, placement: Placement, job: EngineJob, attempt
     """PD disaggregation over any number of P and D engines, balanced by the factor. With no
     prefill engine in rotation (all died or stall) it degrades to the decode engine alone
     rather than failing requests a decode engine can serve."""
-    decode = placement.select(DECODE, job.token_ids, attempt, job=job)
-    prefill = placement.try_select(PREFILL, job.token_ids, attempt, avoid=[decode.address], job=job)
+    decode = placement.select(DECODE, job, attempt)
+    prefill = placement.try_select(PREFILL, job, attempt, avoid=[decode.address])
     factor = placement.factor_of(attempt)
     return await _disagg_with_factor(engines, placement, job, attempt, factor, decode, prefill)
 
@@ -126,11 +123,11 @@ async def adaptive_disagg(engines: Engines, placement: Placement, job: EngineJob
     """Per request: split from measured P and D load; D alone when little is uncached or
     P is the bottleneck (policy in policies.adaptive_split, described in docs/router.md)."""
     prompt = job.token_ids
-    decode = placement.select(DECODE, prompt, attempt, job=job)
-    prefill = placement.try_select(PREFILL, prompt, attempt, avoid=[decode.address], job=job)
+    decode = placement.select(DECODE, job, attempt)
+    prefill = placement.try_select(PREFILL, job, attempt, avoid=[decode.address])
     index = placement.prefix_index
-    cached = index.match_all([decode.address], prompt, attempt.cache_salt,
-                             chain=job.page_chain(index.page_size, attempt.cache_salt))[decode.address]
+    chain = job.page_chain(index.page_size, attempt.cache_salt)
+    cached = index.match_chain([decode.address], chain)[decode.address]
     factor = 0.0
     if prefill is not None:
         decision = adaptive_split(

@@ -62,29 +62,24 @@ class Placement:
     def is_cache_aware(self, attempt: Attempt) -> bool:
         return attempt.hints.cache_aware if attempt.hints.HasField("cache_aware") else self.cache_aware
 
-    def select(
-        self, role: int, token_ids: Sequence[int], attempt: Attempt, avoid: Sequence[str] = (), *,
-        job: EngineJob | None = None,
-    ) -> Endpoint:
+    def select(self, role: int, job: EngineJob, attempt: Attempt, avoid: Sequence[str] = ()) -> Endpoint:
         """The engine for `role` (NoEngineError when none is healthy)."""
-        chosen = self.try_select(role, token_ids, attempt, avoid, job=job)
+        chosen = self.try_select(role, job, attempt, avoid)
         if chosen is None:
             name = {PREFILL: "prefill", DECODE: "decode"}.get(role, str(role))
             raise NoEngineError(f"no healthy {name} engine is available")
         return chosen
 
     def try_select(
-        self, role: int, token_ids: Sequence[int], attempt: Attempt, avoid: Sequence[str] = (), *,
-        job: EngineJob | None = None,
+        self, role: int, job: EngineJob, attempt: Attempt, avoid: Sequence[str] = ()
     ) -> Endpoint | None:
-        """Longest cached prefix when cache-aware, else least loaded; None when none is up.
-        `job`: the attempt's job whose prompt `token_ids` is (its page hashes computed once)."""
+        """Longest cached prefix of the job's prompt when cache-aware (its page hashes
+        computed once a job, EngineJob.page_chain), else least loaded; None when none is up."""
         candidates = self.registry.candidates(role, exclude=attempt.excluded | set(avoid))
         turn = next(self._turn)
         if self.is_cache_aware(attempt) and candidates:
-            chain = None if job is None else job.page_chain(self.prefix_index.page_size, attempt.cache_salt)
-            matched = self.prefix_index.match_all([c.address for c in candidates], token_ids, attempt.cache_salt,
-                                                  chain=chain)
+            chain = job.page_chain(self.prefix_index.page_size, attempt.cache_salt)
+            matched = self.prefix_index.match_chain([c.address for c in candidates], chain)
             chosen = pick_cache_aware(
                 candidates, matched, turn,
                 min_match_tokens=self.settings.cache_min_match_tokens,

@@ -33,14 +33,13 @@ class PrefixIndex:
         self.max_pages_per_engine = max_pages_per_engine
         self._pages: dict[str, OrderedDict[bytes, None]] = {}
 
-    def record(
-        self, address: str, token_ids: Sequence[int], salt: str = "", *, chain: Sequence[bytes] | None = None
-    ) -> None:
-        """Note that `address` now caches the full pages of `token_ids` (under `salt`);
-        `chain`: their page_hash_chain, where the caller has it."""
+    def record(self, address: str, token_ids: Sequence[int], salt: str = "") -> None:
+        """Note that `address` now caches the full pages of `token_ids` (under `salt`)."""
+        self.record_chain(address, page_hash_chain(token_ids, self.page_size, salt))
+
+    def record_chain(self, address: str, chain: Sequence[bytes]) -> None:
+        """`record` of a prompt whose page_hash_chain the caller has."""
         pages = self._pages.setdefault(address, OrderedDict())
-        if chain is None:
-            chain = page_hash_chain(token_ids, self.page_size, salt)
         for digest in chain:
             pages[digest] = None
             pages.move_to_end(digest)
@@ -60,12 +59,11 @@ class PrefixIndex:
             num_pages += 1
         return num_pages * self.page_size
 
-    def match_all(
-        self, addresses: Sequence[str], token_ids: Sequence[int], salt: str = "", *,
-        chain: Sequence[bytes] | None = None,
-    ) -> dict[str, int]:
-        if chain is None:
-            chain = page_hash_chain(token_ids, self.page_size, salt)
+    def match_all(self, addresses: Sequence[str], token_ids: Sequence[int], salt: str = "") -> dict[str, int]:
+        return self.match_chain(addresses, page_hash_chain(token_ids, self.page_size, salt))
+
+    def match_chain(self, addresses: Sequence[str], chain: Sequence[bytes]) -> dict[str, int]:
+        """`match_all` of a prompt whose page_hash_chain the caller has."""
         return {address: self.matched_tokens(address, chain) for address in addresses}
 
     def forget(self, address: str) -> None:
