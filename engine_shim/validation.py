@@ -44,10 +44,7 @@ def check_token_ids(token_ids: npt.NDArray[np.integer], vocab_size: int, max_pro
         raise InvalidRequestError("prompt is empty")
     if token_ids.size > max_prompt_tokens:
         raise InvalidRequestError(f"prompt has {token_ids.size} tokens, limit {max_prompt_tokens}")
-    low, high = int(token_ids.min()), int(token_ids.max())
-    if low < 0 or high >= vocab_size:
-        bad = low if low < 0 else high
-        raise InvalidRequestError(f"token id {bad} outside the vocabulary [0, {vocab_size})")
+    rules.check_vocab_range(int(token_ids.min()), int(token_ids.max()), vocab_size)
 
 
 # MLC's windows, normalised: the engine's rules under the names the shim's callers use.

@@ -62,7 +62,7 @@ def check_token_ids(token_ids: TokenIds, vocab_size: int) -> list[int]:
         raise InvalidRequestError("prompt is empty")
     if set(map(type, ids)) != {int}:  # bool is a subclass of int, and not a token id
         raise InvalidRequestError("token ids must be integers")
-    _check_vocab(min(ids), max(ids), vocab_size)
+    check_vocab_range(min(ids), max(ids), vocab_size)
     return ids
 
 
@@ -71,11 +71,12 @@ def _checked_array(token_ids: npt.NDArray[np.integer], vocab_size: int) -> list[
         raise InvalidRequestError("token ids must be integers")
     if not token_ids.size:
         raise InvalidRequestError("prompt is empty")
-    _check_vocab(int(token_ids.min()), int(token_ids.max()), vocab_size)
+    check_vocab_range(int(token_ids.min()), int(token_ids.max()), vocab_size)
     return id_list(token_ids)
 
 
-def _check_vocab(low: int, high: int, vocab_size: int) -> None:
+def check_vocab_range(low: int, high: int, vocab_size: int) -> None:
+    """The smallest and largest id of a prompt lie in [0, vocab_size)."""
     if low < 0 or high >= vocab_size:
         token = low if low < 0 else high
         raise InvalidRequestError(f"token id {token} outside the vocabulary [0, {vocab_size})")
