@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import bench.grpc_first  # noqa: F401  (before gRPC loads: the stack's gRPC I/O stack)
 from bench.procs import ServiceGroup
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
@@ -88,19 +89,21 @@ async def _transfer(
     return int(sent.num_bytes_sent), elapsed
 
 
-# P's INFO line for a NIXL send (backend.py, WriteTimes): the phases of its time.
+# P's INFO line for a NIXL send (backend.py, WriteTimes): its time in P's backend (from the
+# send's start there to the receiver's confirmation) and the phases of it.
 _NIXL_SEND = re.compile(
-    r"RemoteSend warm-nixl-(\d+)-\d+: \d+ tokens, (\d+) bytes .*?\(hold ([\d.]+) "
+    r"RemoteSend warm-nixl-(\d+)-\d+: \d+ tokens, (\d+) bytes .*? in ([\d.]+) ms \(hold ([\d.]+) "
     r"\(accepted at [\d.]+\), claim ([\d.]+), transfer ([\d.]+), confirm ([\d.]+) ms\), path=nixl"
 )
-_PHASES = ("hold", "claim", "transfer", "confirm")
+_PHASES = ("send", "hold", "claim", "transfer", "confirm")
 
 
 def nixl_phases(text: str) -> dict[int, dict[str, float]]:
     """Per window size (tokens), the timed NIXL sends' phases as P logged them: the median
-    of each (ms), and `write_gbps`, the bytes over the median transfer phase: the write
-    itself (descriptors, NIXL's post and completion), without the engine's hold, the claim
-    or the receiver's confirmation that the RemoteSend also waits for."""
+    of each (ms; `send_ms` the whole send in P's backend, the four phases its parts), and
+    `write_gbps`, the bytes over the median transfer phase: the write itself (descriptors,
+    NIXL's post and completion), without the engine's hold, the claim or the receiver's
+    confirmation that the RemoteSend also waits for."""
     sends: dict[int, list[tuple[int, list[float]]]] = {}
     for match in _NIXL_SEND.finditer(text):
         size, num_bytes = int(match.group(1)), int(match.group(2))
@@ -117,6 +120,15 @@ def nixl_phases(text: str) -> dict[int, dict[str, float]]:
         summary["sends"] = len(rows)
         result[size] = summary
     return result
+
+
+def with_outside(split: dict[str, float], median_s: object) -> dict[str, float]:
+    """`split` with `outside_ms`: the client's median RemoteSend less P's median send in its
+    backend, what the call itself costs around the send (the request and its ids to P, P's
+    checks before the send starts, the answer back), which no phase counts."""
+    if not isinstance(median_s, float) or "send_ms" not in split:
+        return split
+    return {**split, "outside_ms": round(median_s * 1e3 - split["send_ms"], 2)}
 
 
 def _paths_logged(text: str, paths: tuple[str, ...]) -> dict[str, int]:
@@ -166,7 +178,7 @@ async def run(
         for row in rows:
             tokens = row["tokens"]
             if isinstance(tokens, int) and (split := phases.get(tokens)) is not None:
-                row["nixl_phases"] = split
+                row["nixl_phases"] = with_outside(split, row.get("nixl_transfer_s"))
         return rows
     finally:
         group.close()
