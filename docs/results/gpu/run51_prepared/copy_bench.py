@@ -52,15 +52,22 @@ def check():
 
 for name, fn in [("strided int64 (now)", strided64), ("strided complex128", strided128),
                  ("one copy a plane", per_plane), ("contiguous memcpy", contiguous)]:
-    fn(); torch.cuda.synchronize()
+    fn()
+    torch.cuda.synchronize()
     ok = check() if fn is not contiguous else True
     times, cpu = [], []
     for _ in range(30):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        t0 = time.perf_counter(); a.record(); fn(); b.record(); t1 = time.perf_counter()
+        t0 = time.perf_counter()
+        a.record()
+        fn()
+        b.record()
+        t1 = time.perf_counter()
         b.synchronize()
-        times.append(a.elapsed_time(b)); cpu.append((t1 - t0) * 1e3)
-    times.sort(); cpu.sort()
+        times.append(a.elapsed_time(b))
+        cpu.append((t1 - t0) * 1e3)
+    times.sort()
+    cpu.sort()
     med = times[len(times) // 2]
     print(f"{name:22s} GPU {med:.3f} ms ({nbytes / med / 1e6:.0f} GB/s), launch CPU {cpu[len(cpu) // 2]:.3f} ms, exact {ok}")

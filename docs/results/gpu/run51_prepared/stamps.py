@@ -2,7 +2,6 @@
 client's RemoteSend call and return (kv_bench) and at P's servicer entry and exit, applied to
 a throwaway copy of the tree; then where an 8k send's time outside P's backend goes."""
 import pathlib
-import re
 import sys
 
 root = pathlib.Path(sys.argv[1])

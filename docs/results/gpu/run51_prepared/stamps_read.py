@@ -4,8 +4,10 @@ import re
 import statistics
 import sys
 
-client = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"CSTAMP (\S+) (\S+) (\S+)", open(sys.argv[1]).read())}
-server = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"STAMP (\S+) in (\S+) out (\S+)", open(sys.argv[2]).read())}
+with open(sys.argv[1]) as log:
+    client = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"CSTAMP (\S+) (\S+) (\S+)", log.read())}
+with open(sys.argv[2]) as log:
+    server = {m[0]: (float(m[1]), float(m[2])) for m in re.findall(r"STAMP (\S+) in (\S+) out (\S+)", log.read())}
 by_size = {}
 for rid, (c0, c1) in client.items():
     if not rid.startswith("warm-nixl-") or rid not in server:
