@@ -25,15 +25,20 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 import bench.grpc_first  # noqa: F401  (before gRPC loads: the stack's gRPC I/O stack)
 from bench.procs import ServiceGroup
+from microserving.multiplex import MultiplexedCall
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
+
+if TYPE_CHECKING:
+    from grpc import aio
 
 
 def _memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
@@ -62,8 +67,56 @@ def _offering_only(kv_addr_info: bytes, path: str) -> bytes:
     return json.dumps(body).encode()
 
 
+SEND_VIAS = ("unary", "stream")
+RemoteSender = Callable[[engine_pb2.RemoteSendRequest], Awaitable[engine_pb2.RemoteSendResponse]]
+
+
+class _Answer:
+    """The one output of a call made on an Engine.Generate stream (a MultiplexedCall sink)."""
+
+    def __init__(self) -> None:
+        self.output: asyncio.Future[engine_pb2.GenerateOutput] = (
+            asyncio.get_running_loop().create_future())
+
+    def deliver(self, entry: engine_pb2.GenerateOutput) -> bool:
+        if not self.output.done():
+            self.output.set_result(entry)
+        return True
+
+    def fail(self, error: aio.AioRpcError) -> None:
+        if not self.output.done():
+            self.output.set_exception(error)
+
+
+class StreamSender:
+    """RemoteSend as the router makes it to an engine whose status has serves_stream_calls:
+    a message on P's Engine.Generate stream, answered by the call's one output (the router's
+    EngineStream runs the same MultiplexedCall), not a unary call of its own."""
+
+    def __init__(self, p_stub: engine_pb2_grpc.EngineStub) -> None:
+        self._call: MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = (
+            MultiplexedCall(p_stub.Generate(), lambda message: message.outputs,
+                            lambda output: output.request_id))
+
+    async def __call__(self, request: engine_pb2.RemoteSendRequest) -> engine_pb2.RemoteSendResponse:
+        answer = _Answer()
+        await self._call.start(
+            request.request_id, engine_pb2.EngineGenerateRequest(remote_send=request), answer)
+        output = await answer.output
+        if output.HasField("error"):
+            raise RuntimeError(f"RemoteSend {request.request_id} failed on the stream: "
+                               f"{output.error.message}")
+        if not output.HasField("remote_send"):
+            raise RuntimeError(f"RemoteSend {request.request_id}: an output without its result")
+        return output.remote_send
+
+    async def close(self) -> None:
+        await self._call.close()
+
+
 async def _transfer(
-    p_stub, d_stub, request_id: str, tokens: Sequence[int], path: str, num_sent: dict[str, int]
+    send: RemoteSender, d_stub, request_id: str, tokens: Sequence[int], path: str,
+    num_sent: dict[str, int],
 ) -> tuple[int, float]:
     sampling = common_pb2.SamplingParams(temperature=0.0)
     prep = await d_stub.PrepRecv(
@@ -73,7 +126,7 @@ async def _transfer(
     )
     kv_addr_info = _offering_only(prep.kv_addr_info, path)
     start = time.perf_counter()
-    sent = await p_stub.RemoteSend(
+    sent = await send(
         engine_pb2.RemoteSendRequest(
             request_id=request_id,
             token_ids=tokens,
@@ -147,6 +200,7 @@ async def run(
     receiver_load: int = 0,
     load_via: str = "start-generate",
     nixl_local_copy: str = "true",
+    send_via: str = "unary",
 ) -> list[dict[str, object]]:
     # P and D as separate shim processes, as deployed: the push crosses loopback TCP (or
     # shared memory) between two Python processes. D has no prefix-cache hit: every run
@@ -168,7 +222,7 @@ async def run(
         counted = tuple(dict.fromkeys([*paths, "grpc"]))  # the cold runs go over gRPC
         num_sent: dict[str, int] = {path: 0 for path in counted}
         rows = await _measure(p.address, d.address, model, device, token_counts, paths, num_sent,
-                              receiver_load, load_via)
+                              receiver_load, load_via, send_via)
         await asyncio.sleep(0.5)  # P's log reaches its file through a pipe and a thread
         log = p.output()
         logged = _paths_logged(log, counted)
@@ -194,8 +248,10 @@ async def _measure(
     num_sent: dict[str, int],
     receiver_load: int = 0,
     load_via: str = "start-generate",
+    send_via: str = "unary",
 ) -> list[dict[str, object]]:
-    """Rows per size; `num_sent` counts the RemoteSends made per path."""
+    """Rows per size; `num_sent` counts the RemoteSends made per path. `send_via`: each
+    RemoteSend a unary call, or a message on P's Engine.Generate stream (StreamSender)."""
     rows = []
     async with (
         create_channel(p_address, TransportSettings()) as pc,
@@ -207,16 +263,20 @@ async def _measure(
         else:
             load = [asyncio.ensure_future(_keep_generating(d_stub, f"load-{i}"))
                     for i in range(receiver_load)]
+        stream = StreamSender(p_stub) if send_via == "stream" else None
         try:
-            rows = await _measure_sizes(p_stub, d_stub, model, device, token_counts, paths,
-                                        num_sent)
+            rows = await _measure_sizes(stream or p_stub.RemoteSend, d_stub, model, device,
+                                        token_counts, paths, num_sent)
         finally:
             for task in load:
                 task.cancel()
             await asyncio.gather(*load, return_exceptions=True)
+            if stream is not None:
+                await stream.close()
         for row in rows:
             row["receiver_load"] = receiver_load
             row["receiver_load_via"] = load_via
+            row["send_via"] = send_via
     return rows
 
 
@@ -266,7 +326,8 @@ async def _keep_generating_on_stream(d_stub, num_running: int) -> None:
 
 
 async def _measure_sizes(
-    p_stub, d_stub, model: str, device: str, token_counts: list[int], paths: tuple[str, ...],
+    send: RemoteSender, d_stub, model: str, device: str, token_counts: list[int],
+    paths: tuple[str, ...],
     num_sent: dict[str, int],
 ) -> list[dict[str, object]]:
     rows = []
@@ -280,7 +341,7 @@ async def _measure_sizes(
         # also time building 8k ids from a list (0.2 ms), which no router call pays.
         tokens = router_pb2.TokenIds(ids=[(i * 7919) % 256 for i in range(n + 1)]).ids
         cold_bytes, cold_s = await _transfer(
-            p_stub, d_stub, f"cold-{n}", tokens, "grpc", num_sent
+            send, d_stub, f"cold-{n}", tokens, "grpc", num_sent
         )
         # Warm runs take the KV from P's prefix cache: the transfer alone. Two untimed
         # ones per path first (gRPC's and malloc's buffers, the shm stages and their
@@ -289,14 +350,14 @@ async def _measure_sizes(
         for i in range(2):
             for path in paths:
                 await _transfer(
-                    p_stub, d_stub, f"warmup-{path}-{n}-{i}", tokens, path, num_sent
+                    send, d_stub, f"warmup-{path}-{n}-{i}", tokens, path, num_sent
                 )
         times: dict[str, list[float]] = {path: [] for path in paths}
         num_bytes = 0
         for i in range(max(5, (1 << 30) // max(1, cold_bytes))):
             for path in paths:
                 num_bytes, elapsed = await _transfer(
-                    p_stub, d_stub, f"warm-{path}-{n}-{i}", tokens, path, num_sent
+                    send, d_stub, f"warm-{path}-{n}-{i}", tokens, path, num_sent
                 )
                 times[path].append(elapsed)
         row: dict[str, object] = {
@@ -343,6 +404,9 @@ def main() -> None:
                         help="the load's calls: a StartGenerate each (a message per token "
                              "each), or one Engine.Generate stream as a router runs them "
                              "(every request's output of a step in one message)")
+    parser.add_argument("--send-via", choices=SEND_VIAS, default="unary",
+                        help="each RemoteSend a unary call, or a message on P's Engine.Generate "
+                             "stream as the router makes it to engines that serve stream calls")
     args = parser.parse_args()
     paths = tuple(args.paths)
     if "nixl" in paths:
@@ -354,7 +418,8 @@ def main() -> None:
             paths = tuple(p for p in paths if p != "nixl")
     rows = asyncio.run(
         run(args.model, args.tokens, args.num_pages, args.device, args.dtype, paths,
-            args.engine_process, args.receiver_load, args.receiver_load_via, args.nixl_local_copy)
+            args.engine_process, args.receiver_load, args.receiver_load_via, args.nixl_local_copy,
+            args.send_via)
     )
     print(
         json.dumps(
