@@ -72,7 +72,8 @@ RemoteSender = Callable[[engine_pb2.RemoteSendRequest], Awaitable[engine_pb2.Rem
 
 
 class _Answer:
-    """The one output of a call made on an Engine.Generate stream (a MultiplexedCall sink)."""
+    """The one output of a call made on an Engine.Generate stream (a MultiplexedCall sink):
+    a RemoteSend that samples no first tokens has no other."""
 
     def __init__(self) -> None:
         self.output: asyncio.Future[engine_pb2.GenerateOutput] = (
@@ -153,7 +154,7 @@ _PHASES = ("send", "hold", "claim", "transfer", "confirm")
 
 def nixl_phases(text: str) -> dict[int, dict[str, float]]:
     """Per window size (tokens), the timed NIXL sends' phases as P logged them: the median
-    of each (ms; `send_ms` the whole send in P's backend, the four phases its parts), and
+    of each (ms; `send_ms` the whole send in P's backend, the four phases within it), and
     `write_gbps`, the bytes over the median transfer phase: the write itself (descriptors,
     NIXL's post and completion), without the engine's hold, the claim or the receiver's
     confirmation that the RemoteSend also waits for."""
