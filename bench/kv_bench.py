@@ -27,18 +27,15 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
 import bench.grpc_first  # noqa: F401  (before gRPC loads: the stack's gRPC I/O stack)
 from bench.procs import ServiceGroup
-from microserving.multiplex import MultiplexedCall
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc, router_pb2
-
-if TYPE_CHECKING:
-    from grpc import aio
+from router.endpoint import Endpoint
+from router.engines import EngineStream
 
 
 def _memcpy_gbps(num_bytes: int, repeats: int = 5) -> float:
@@ -71,48 +68,25 @@ SEND_VIAS = ("unary", "stream")
 RemoteSender = Callable[[engine_pb2.RemoteSendRequest], Awaitable[engine_pb2.RemoteSendResponse]]
 
 
-class _Answer:
-    """The one output of a call made on an Engine.Generate stream (a MultiplexedCall sink):
-    a RemoteSend that samples no first tokens has no other."""
-
-    def __init__(self) -> None:
-        self.output: asyncio.Future[engine_pb2.GenerateOutput] = (
-            asyncio.get_running_loop().create_future())
-
-    def deliver(self, entry: engine_pb2.GenerateOutput) -> bool:
-        if not self.output.done():
-            self.output.set_result(entry)
-        return True
-
-    def fail(self, error: aio.AioRpcError) -> None:
-        if not self.output.done():
-            self.output.set_exception(error)
-
-
 class StreamSender:
     """RemoteSend as the router makes it to an engine whose status has serves_stream_calls:
-    a message on P's Engine.Generate stream, answered by the call's one output (the router's
-    EngineStream runs the same MultiplexedCall), not a unary call of its own."""
+    through the router's own EngineStream, a message on P's Engine.Generate stream answered
+    by the call's one output (its error raised as the unary call's), not a unary call."""
 
-    def __init__(self, p_stub: engine_pb2_grpc.EngineStub) -> None:
-        self._call: MultiplexedCall[engine_pb2.EngineGenerateResponse, engine_pb2.GenerateOutput] = (
-            MultiplexedCall(p_stub.Generate(), lambda message: message.outputs,
-                            lambda output: output.request_id))
+    def __init__(self, p_address: str) -> None:
+        self._endpoint = Endpoint(p_address, configured_roles=None)
+        self._endpoint.connect(TransportSettings())
+        self._stream = EngineStream(self._endpoint)
 
     async def __call__(self, request: engine_pb2.RemoteSendRequest) -> engine_pb2.RemoteSendResponse:
-        answer = _Answer()
-        await self._call.start(
-            request.request_id, engine_pb2.EngineGenerateRequest(remote_send=request), answer)
-        output = await answer.output
-        if output.HasField("error"):
-            raise RuntimeError(f"RemoteSend {request.request_id} failed on the stream: "
-                               f"{output.error.message}")
-        if not output.HasField("remote_send"):
-            raise RuntimeError(f"RemoteSend {request.request_id}: an output without its result")
+        message = engine_pb2.EngineGenerateRequest(remote_send=request)
+        output = await self._stream.call(request.request_id, message, timeout_s=None)
         return output.remote_send
 
     async def close(self) -> None:
-        await self._call.close()
+        await self._stream.close()
+        if self._endpoint.channel is not None:
+            await self._endpoint.channel.close()
 
 
 async def _transfer(
@@ -264,7 +238,7 @@ async def _measure(
         else:
             load = [asyncio.ensure_future(_keep_generating(d_stub, f"load-{i}"))
                     for i in range(receiver_load)]
-        stream = StreamSender(p_stub) if send_via == "stream" else None
+        stream = StreamSender(p_address) if send_via == "stream" else None
         try:
             rows = await _measure_sizes(stream or p_stub.RemoteSend, d_stub, model, device,
                                         token_counts, paths, num_sent)
