@@ -296,12 +296,6 @@ class Disaggregation:
             return None
         return job.is_ready and (job.computed is None or job.computed.query())
 
-    def send_is_launched(self, request_id: str) -> bool | None:
-        """None without such a send; True once the work that writes its KV is launched (on
-        CUDA, maybe not yet run: send_slots_after gives what to wait for)."""
-        job = self.sends.get(request_id)
-        return None if job is None else job.is_ready
-
     def pop_send(self, request_id: str) -> SendJob | None:
         return self.sends.pop(request_id, None)
 
@@ -325,20 +319,13 @@ class Disaggregation:
         return KVChunk(begin=begin, num_tokens=num_tokens, data=data)
 
     def send_slots(self, request_id: str) -> Slots:
-        slots, computed = self.send_slots_after(request_id)
-        if computed is not None:
+        job = self._ready_job(request_id)
+        if job.computed is not None:
             # The engine wrote them asynchronously. Only the launches up to the job's own are
             # waited for, not a step launched since (a device-wide synchronize would stall the
             # core for that step's whole forward).
-            computed.synchronize()
-        return slots
-
-    def send_slots_after(self, request_id: str) -> tuple[Slots, torch.cuda.Event | None]:
-        """The slots of a launched job's [begin, end), and the CUDA event that a reader on
-        another stream waits for before it reads them (None: nothing to wait for)."""
-        job = self._ready_job(request_id)
-        slots = slots_for_positions(job.seq.block_table, self.page_size, job.begin, job.end)
-        return slots, job.computed
+            job.computed.synchronize()
+        return slots_for_positions(job.seq.block_table, self.page_size, job.begin, job.end)
 
     def _ready_job(self, request_id: str) -> SendJob:
         job = self.sends.get(request_id)

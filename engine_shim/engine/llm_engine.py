@@ -361,11 +361,6 @@ class LLMEngine:
         A transfer engine beside the core starts a write that waits for it once it is."""
         return self.disaggregation.send_is_ready(request_id)
 
-    def send_is_launched(self, request_id: str) -> bool | None:
-        """Whether the work that writes the send's KV is launched (None: no such send); a
-        reader ordered after it on the device (send_slots_after) need not wait for more."""
-        return self.disaggregation.send_is_launched(request_id)
-
     def describe_send(self, request_id: str) -> str:
         """Where a send stands, for a log line about one that is late: its job, its sequence
         in the scheduler, the pool."""
@@ -453,12 +448,6 @@ class LLMEngine:
         """Slots of a ready job's [begin, end) in the pool, with the device's work on them
         finished: a transfer engine may read them from here until finish_remote_send."""
         return self.disaggregation.send_slots(request_id)
-
-    def send_slots_after(self, request_id: str) -> tuple[Slots, torch.cuda.Event | None]:
-        """Slots of a launched job's [begin, end) and the CUDA event that the device's work
-        on them records (None: none pending): a copy on another stream that waits for the
-        event reads them computed, without the core waiting for the device."""
-        return self.disaggregation.send_slots_after(request_id)
 
     def finish_remote_send(self, request_id: str) -> None:
         """Release a job after its KV went out: its computed pages go to the prefix cache."""

@@ -192,25 +192,3 @@ def test_a_write_given_up_before_it_started_leaves_nothing_fenced(make_engine) -
     assert decode.abort("early")
     assert decode.status().num_free_pages == decode.num_pages  # not fenced
     assert decode.next_deadline() is None
-
-
-def test_a_launched_send_offers_its_slots_and_what_a_reader_waits_for(make_engine) -> None:
-    """A transfer engine that orders its copies after the send's computation on the device
-    (nixl_core._can_post) reads the send's slots once launched; on the CPU the work is done
-    when the step returns, so there is nothing to wait for and the slots are send_slots'."""
-    prefill = make_engine()
-    ids = random_prompt(21, 70)
-    assert prefill.send_is_launched("s") is None  # no such send
-    prefill.remote_send("s", ids, 0, len(ids) - 1)
-    assert prefill.send_is_launched("s") is False  # queued, not launched
-    with pytest.raises(Exception, match="still computing"):
-        prefill.send_slots_after("s")
-    while not any(isinstance(e, SendReady) for e in prefill.step()):
-        pass
-    assert prefill.send_is_launched("s") is True
-    slots, after = prefill.send_slots_after("s")
-    assert after is None
-    assert list(slots) == list(prefill.send_slots("s"))
-    assert len(slots) == len(ids) - 1
-    prefill.finish_remote_send("s")
-    assert prefill.send_is_launched("s") is None

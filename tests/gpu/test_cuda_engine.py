@@ -349,45 +349,6 @@ def test_in_process_pd_on_cuda_is_token_exact_and_leaks_nothing() -> None:
     assert (prefill.status().num_free_pages, decode.status().num_free_pages) == baseline
 
 
-def test_a_copy_ordered_after_a_launched_send_reads_its_computed_kv() -> None:
-    """What a same-GPU NIXL write does when it is posted as soon as the send is launched
-    (nixl_core._can_post): its copies, on a stream of their own, wait on the device for the
-    event send_slots_after gives, and read the KV the send computed. The engine's stream is
-    held busy first (a sleep kernel) so that the send's forward is still queued when the
-    copies are issued."""
-    from engine_shim.backends.embedded.kv_plane.nixl import pool_region
-    from engine_shim.backends.embedded.kv_plane.pool_ipc import copy_runs, slot_view
-    from engine_shim.engine.disaggregation import SendReady
-
-    engine = _cuda_engine()
-    prompt = _prompt(11, 1000)
-    engine.remote_send("s", prompt, 0, len(prompt) - 1)
-    torch.cuda._sleep(200_000_000)  # type: ignore[attr-defined]  # ~0.1 s of the engine's stream
-    while not any(isinstance(e, SendReady) for e in engine.step()):
-        pass
-    assert engine.send_is_launched("s")
-    slots, after = engine.send_slots_after("s")
-    assert after is not None  # launched, its forward queued behind the sleep
-    region = pool_region(engine.kv_cache.kv)
-    source = slot_view(engine.kv_cache.kv.view(-1), region)
-    local = torch.as_tensor(list(slots)).numpy()
-    remote = local.copy()
-    stream = torch.cuda.Stream()
-    ordered, unordered = torch.zeros_like(source), torch.zeros_like(source)
-    with torch.cuda.stream(stream):
-        copy_runs(unordered, source, local, remote)  # not waiting: the forward has not run
-        stream.wait_event(after)
-        copy_runs(ordered, source, local, remote)
-    torch.cuda.synchronize()
-    index = torch.as_tensor(local, device=source.device)
-    computed = source.index_select(1, index)
-    assert computed.abs().sum() > 0
-    assert torch.equal(ordered.index_select(1, index), computed)
-    # the case the wait is for: a copy issued without it read the slots before the forward
-    assert not torch.equal(unordered.index_select(1, index), computed)
-    engine.finish_remote_send("s")
-
-
 def _shim_test_helpers() -> ModuleType:
     """tests/shim/shim_helpers.py: the shim test helpers, loaded under a name of their own."""
     path = Path(__file__).resolve().parents[1] / "shim" / "shim_helpers.py"

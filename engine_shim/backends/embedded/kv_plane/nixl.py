@@ -316,32 +316,17 @@ class NixlAgent:
             except Exception:  # noqa: BLE001 - already gone is fine
                 logger.debug("removing NIXL agent %s failed", agent, exc_info=True)
 
-    def copies_into(self, offer: NixlOffer) -> bool:
-        """Whether a write to the offering peer is copies on this agent's CUDA stream (its
-        pool mapped here): such a write may start before the local slots are computed, its
-        copies ordered after that work on the device (start_write's `after`). Loads the
-        peer and maps its pool where that was not done yet."""
-        if self._copy_stream is None:
-            return False
-        self.load_peer(offer)
-        return self._peer_pool(offer) is not None
-
     def start_write(
-        self, offer: NixlOffer, local_slots: np.ndarray, remote_slots: np.ndarray, tag: bytes,
-        after: torch.cuda.Event | None = None,
+        self, offer: NixlOffer, local_slots: np.ndarray, remote_slots: np.ndarray, tag: bytes
     ) -> tuple[Any, str, int]:
         """Start writing `local_slots` of this pool into `remote_slots` of the offering peer's,
         notifying `tag` once it landed: (transfer handle, its state, bytes it writes). The
         offering agent is loaded first if it is not (a peer dropped after a failure). Into
-        a pool mapped here (the same GPU), the write is copies and the notification, and its
-        copies wait on the device for `after` (the event of the work that computes the local
-        slots; only where copies_into the peer)."""
+        a pool mapped here (the same GPU), the write is copies and the notification."""
         self.load_peer(offer)
         mapped = self._peer_pool(offer)
         if mapped is not None:
-            return self._copy(mapped, offer, local_slots, remote_slots, tag, after)
-        if after is not None:
-            raise InvalidRequestError("a NIXL transfer cannot wait for the device: the slots must be computed")
+            return self._copy(mapped, offer, local_slots, remote_slots, tag)
         local_starts, remote_starts, lengths = paired_runs(local_slots, remote_slots)
         remote = offer_region(offer)
         agent = self._agent
@@ -387,18 +372,13 @@ class NixlAgent:
         return mapped
 
     def _copy(self, mapped: torch.Tensor, offer: NixlOffer, local_slots: np.ndarray,
-              remote_slots: np.ndarray, tag: bytes, after: torch.cuda.Event | None = None,
-              ) -> tuple[Any, str, int]:
+              remote_slots: np.ndarray, tag: bytes) -> tuple[Any, str, int]:
         stream = self._copy_stream
         copied = None
         if stream is None:  # host memory: copied once the copies return
-            if after is not None:
-                raise InvalidRequestError("a copy between host pools cannot wait for the device")
             num_bytes = copy_runs(mapped, self._slots, local_slots, remote_slots)
         else:
             with torch.cuda.stream(stream):
-                if after is not None:  # the engine's work that computes the local slots
-                    stream.wait_event(after)
                 num_bytes = copy_runs(mapped, self._slots, local_slots, remote_slots)
                 copied = torch.cuda.Event()
                 copied.record(stream)

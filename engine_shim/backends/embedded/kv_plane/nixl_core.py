@@ -93,10 +93,6 @@ class _Posted:
     num_bytes: int
     started: float
     is_reported: bool = False  # logged as slow
-    # copies posted before the send's KV was computed: the CUDA event they wait for on the
-    # device; None once it has passed (only then can the copies end, so only then are they
-    # checked in a spin: _spin_fresh)
-    after: Any = None
 
 
 class _Parked(NamedTuple):
@@ -128,9 +124,7 @@ class NixlSide:
 
     A write of a held send that is still computing is parked and posted in the first loop
     turn that finds the send's KV written (the shim claims the receiver's slots while the
-    engine computes, so the write starts without another message from it), or, where the
-    write is copies into the receiver's pool mapped here, launched: the copies then wait on
-    the device for the engine's work (_can_post); it ends
+    engine computes, so the write starts without another message from it); it ends
     NOT_STARTED if the send ends first or it is still parked at `park_until` (the write's
     deadline less PARK_MARGIN_S)."""
 
@@ -210,7 +204,7 @@ class NixlSide:
     def _start_write(self, xfer_id: int, offer: NixlOffer, local: np.ndarray | HeldSlots,
                      remote: np.ndarray, tag: bytes, park_until: float = math.inf) -> None:
         if isinstance(local, HeldSlots):
-            is_ready = self._can_post(local, offer)
+            is_ready = self._core.send_is_ready(local.request_id)
             if is_ready is None:
                 self._ended.append(("write", xfer_id, NOT_STARTED, "the send has ended"))
                 return
@@ -222,7 +216,7 @@ class NixlSide:
     def _post_parked(self) -> None:
         now = time.monotonic()
         for xfer_id, (offer, local, remote, tag, park_until, _) in list(self._parked.items()):
-            is_ready = self._can_post(local, offer)
+            is_ready = self._core.send_is_ready(local.request_id)
             if is_ready is None or now > park_until:
                 del self._parked[xfer_id]
                 why = "the send has ended" if is_ready is None else "its deadline nears"
@@ -235,43 +229,20 @@ class NixlSide:
                 del self._parked[xfer_id]
                 self._post(xfer_id, offer, local, remote, tag)
 
-    def _can_post(self, send: HeldSlots, offer: NixlOffer) -> bool | None:
-        """Whether the write of a held send can be posted now (None: the send has ended):
-        once its KV is computed; where the write is copies on this agent's stream (the
-        receiver's pool mapped here), as soon as the work that computes it is launched, the
-        copies ordered after that work on the device. A send that P's core computes in a
-        step while its next step is queued would otherwise be posted only in the loop turn
-        after the step that follows (GPU run 56: the transfer phase took a step or two of P,
-        13 ms at the median, under 32-stream disagg load)."""
-        if self._orders_copies(offer):
-            return self._core.send_is_launched(send.request_id)
-        return self._core.send_is_ready(send.request_id)
-
-    def _orders_copies(self, offer: NixlOffer) -> bool:
-        agent = self._agent
-        assert agent is not None
-        try:
-            return agent.copies_into(offer)
-        except Exception:  # noqa: BLE001 - posting the write reports the peer's failure
-            return False
-
     def _post(self, xfer_id: int, offer: NixlOffer, local: np.ndarray | HeldSlots,
               remote: np.ndarray, tag: bytes) -> None:
         agent = self._agent
         assert agent is not None
-        after = None
         try:
             if isinstance(local, HeldSlots):
-                local, after = self._held_slots(local, ordered=self._orders_copies(offer))
-            handle, state, num_bytes = agent.start_write(offer, local, remote, tag, after=after)
+                local = self._held_slots(local)
+            handle, state, num_bytes = agent.start_write(offer, local, remote, tag)
         except EngineError as error:  # UnavailableError included
             self._ended.append(("write", xfer_id, "ERR", str(error)))
             return
-        if after is not None and after.query():
-            after = None
-        posted = _Posted(handle, offer.agent, num_bytes, time.monotonic(), after=after)
+        posted = _Posted(handle, offer.agent, num_bytes, time.monotonic())
         self._writes[xfer_id] = posted  # poll() reports it, ended or not
-        if state == "PROC" and after is None:
+        if state == "PROC":
             self._fresh.append(posted)
 
     def _spin_fresh(self) -> None:
@@ -287,30 +258,16 @@ class NixlSide:
         while fresh and time.perf_counter() < spin_ends:
             fresh = [posted for posted in fresh if _is_running(agent, posted)]
 
-    def _held_slots(self, ref: HeldSlots, ordered: bool) -> tuple[np.ndarray, Any]:
-        """The held send's slots, and (`ordered`: the write's copies wait for it on the
-        device) the CUDA event of the engine's work that computes them, or None. Unordered,
-        send_slots waits for that work (CUDA) before the read."""
-        if ordered:
-            slots, after = self._core.send_slots_after(ref.request_id)
-        else:
-            slots, after = self._core.send_slots(ref.request_id), None
-        return np.asarray(slots[ref.offset :], dtype=np.int64), after
-
-    def _passed_waits(self) -> None:
-        """Copies posted ahead of their send's computation whose computation has now run on
-        the device can end: they are spun on like writes just posted."""
-        for posted in self._writes.values():
-            if posted.after is not None and posted.after.query():
-                posted.after = None
-                self._fresh.append(posted)
+    def _held_slots(self, ref: HeldSlots) -> np.ndarray:
+        # send_slots waits for the engine's pending KV writes (CUDA) before the read
+        slots = self._core.send_slots(ref.request_id)
+        return np.asarray(slots[ref.offset :], dtype=np.int64)
 
     def poll(self) -> list[Any]:
         agent = self._agent
         assert agent is not None  # busy only once a call reached the agent
         if self._parked:
             self._post_parked()
-        self._passed_waits()
         self._spin_fresh()
         if agent.is_notifying:
             agent.progress()
