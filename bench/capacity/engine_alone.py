@@ -41,6 +41,7 @@ class AloneResult:
     span_s: float
     staggered: bool = False
     engine_steps: dict[str, Any] | None = None  # bench.capacity.engine_steps.figures
+    prefix_hit_tokens: int = 0  # prompt tokens the run found in the engine's prefix cache
 
     def as_nominal(self) -> Nominal:
         return Nominal(tok_s=self.tok_s, decode_tok_s=self.tok_s, ttft_s=self.ttft_p50_s)
@@ -133,6 +134,13 @@ class _AloneLoop:
         from engine_shim.engine.api import SamplingParams
 
         engine = self.engine
+        # Every run starts on an empty prefix cache, as the stack's engines meet each cell's
+        # prompts for the first time: the runs of one stream count share their seed (their
+        # prompts), and the prompts of the runs before this one, still cached, made its
+        # prefills all hits (GPU run 57, H100: 22.9k against 20.0k tok/s at 32 streams and
+        # 39.7k against 32.0k at 64 for the run right before a cell against the first).
+        engine.drop_prefix_cache()
+        hits_before = engine.block_manager.prefix_cache_stats().num_hit_tokens
         rng = random.Random(seed)
         sampling = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
         started_s: dict[str, float] = {}  # running request -> its start (-1 after its first token)
@@ -177,7 +185,8 @@ class _AloneLoop:
         span_s = time.perf_counter() - origin_s
         steps = figures(engine.num_steps - counters_before[0], engine.step_time_s - counters_before[1],
                         engine.num_sampled_tokens - counters_before[2], span_s)
+        hits = engine.block_manager.prefix_cache_stats().num_hit_tokens - hits_before
         return AloneResult(streams, num_tokens / span_s, percentile(ttfts, 50), num_tokens, span_s,
-                           staggered, steps)
+                           staggered, steps, hits)
 
 

@@ -205,6 +205,18 @@ class BlockManager:
             heapq.heappush(self._free, page)
             self._free_set.add(page)
 
+    def drop_cached_prefixes(self) -> int:
+        """Forget every cached page that no sequence references: they become unused pages,
+        and no later prompt hits them; the count. Pages in use keep their hashes."""
+        if self._cache is None:
+            return 0
+        dropped = 0
+        while (page := self._cache.evict_lru()) is not None:
+            heapq.heappush(self._free, page)
+            self._free_set.add(page)
+            dropped += 1
+        return dropped
+
     def prefix_cache_stats(self) -> PrefixCacheStats:
         if self._cache is None:
             return PrefixCacheStats(0, 0, 0, 0, 0)

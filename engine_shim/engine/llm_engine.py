@@ -790,6 +790,12 @@ class LLMEngine:
             )
 
     # ---- status ----
+    def drop_prefix_cache(self) -> int:
+        """Forget the cached prefixes no request holds (BlockManager.drop_cached_prefixes):
+        the prompts that come next compute from scratch, as on a fresh engine; the pages
+        dropped."""
+        return self.block_manager.drop_cached_prefixes()
+
     def status(self) -> EngineStatus:
         return status_from_fields(self._constant_status, self.status_fields())
 

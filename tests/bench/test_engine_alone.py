@@ -25,3 +25,18 @@ def test_the_engine_alone_runs_the_closed_loop_in_its_own_process() -> None:
         assert result.engine_steps is not None and result.engine_steps["steps"] >= 5
     assert again.num_tokens == 2 * 3  # the loaded engine serves the next run too
     assert not alone._process.is_alive()
+
+
+def test_each_run_of_the_engine_alone_starts_on_an_empty_prefix_cache() -> None:
+    """The runs of one stream count share their seed, so their prompts: a run must not find
+    the prompts of the runs before it in the prefix cache (the stack's engines meet each
+    cell's prompts for the first time)."""
+    alone = EngineAlone("tiny", "cpu", max_num_seqs=8, shim_env={})
+    try:
+        first, again = (alone.run(streams=2, input_len=40, output_len=3, num_requests=4, seed=7)
+                        for _ in range(2))
+    finally:
+        alone.close()
+    assert first.num_tokens == again.num_tokens == 4 * 3
+    assert first.prefix_hit_tokens == 0
+    assert again.prefix_hit_tokens == 0  # the same 40-token prompts again: no page of them hit

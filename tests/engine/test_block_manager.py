@@ -287,3 +287,18 @@ def test_a_long_prefix_matches_up_to_its_first_differing_page_across_hash_blocks
         expected.append(prev)
     assert list(chain_hashes(tokens, PAGE_SIZE, 70, salt="t")) == expected
     assert list(chain_hashes(tuple(tokens), PAGE_SIZE, 70, salt="t")) == expected
+
+
+def test_dropping_the_cached_prefixes_frees_those_no_sequence_holds() -> None:
+    pool = BlockManager(num_pages=8, page_size=PAGE_SIZE, enable_prefix_cache=True)
+    tokens, other = list(range(8)), list(range(50, 58))
+    pool.release(pool.allocate(2), tokens, num_computed_tokens=8)  # two cached, evictable pages
+    held = pool.allocate(2)
+    pool.share(held)  # a second holder: still referenced after the release below
+    pool.release(held, other, num_computed_tokens=8)  # cached, in use
+    assert pool.prefix_cache_stats().num_cached_pages == 4
+    assert pool.drop_cached_prefixes() == 2
+    assert pool.num_free_pages == 6  # nothing lost: the dropped pages are unused now
+    assert pool.acquire_prefix(tokens, max_tokens=8) == []  # no hit on what was dropped
+    assert len(pool.acquire_prefix(other, max_tokens=8)) == 2  # what a sequence holds stays
+    assert pool.prefix_cache_stats().num_cached_pages == 2
