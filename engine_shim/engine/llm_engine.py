@@ -789,13 +789,14 @@ class LLMEngine:
                 f"{num_tokens} tokens need more KV pages than the pool holds ({self.num_pages})"
             )
 
-    # ---- status ----
+    # ---- the prefix cache ----
     def drop_prefix_cache(self) -> int:
         """Forget the cached prefixes no request holds (BlockManager.drop_cached_prefixes):
         the prompts that come next compute from scratch, as on a fresh engine; the pages
         dropped."""
         return self.block_manager.drop_cached_prefixes()
 
+    # ---- status ----
     def status(self) -> EngineStatus:
         return status_from_fields(self._constant_status, self.status_fields())
 
