@@ -1,8 +1,12 @@
 # Prepared 2026-12-07 (twenty-third session): issue 16's disagg and round-robin cells at 32 and
 # 64 streams, one round each, with the engine alone now starting every run on an empty prefix
 # cache (its yardstick run had found its prompts cached: run 57). Each part under its limit.
+# On an H200 (none lent since run 22): issue 16's full table instead (run55_prepared).
 # Usage: bash first.sh "$OUT"
 O=$1; mkdir -p "$O"
+if nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
+  bash docs/results/gpu/run55_prepared/first.sh "$O"; exit
+fi
 export PYTHONPATH=$PWD:/tmp/site MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $O/card.txt
 for part in "disagg ${T_DG:-130}" "round-robin ${T_RR:-110}"; do
