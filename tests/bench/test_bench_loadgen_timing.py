@@ -65,21 +65,25 @@ async def test_closed_loop_keeps_exactly_the_concurrency_in_flight() -> None:
 
 
 async def test_open_loop_arrivals_follow_the_seeded_poisson_schedule() -> None:
-    timing = Timing(0.01, 0.001)
+    # The server takes a second to its first token, so every request is still waiting for it
+    # when the last one is due (20 at 25/s: due within about 0.8 s): a sender that waited for
+    # answers (serial, or a few in flight) would send the last seconds late; an open loop
+    # sends each on its beat, its event loop idle meanwhile.
+    timing = Timing(1.0, 0.001)
     rate, seed, count = 25.0, 7, 20
     result = await _run(timing, LoadShape(request_rate=rate, seed=seed), num_prompts=count)
     planned = arrival_times_s(count, rate, seed)
     assert len(timing.arrivals_s) == count  # every request reached the server
     # Each request leaves on the plan's beat (its record's start, on the run's clock): never
-    # before its planned time, most within a few ms of it. Timed at the client: the server
-    # here is a thread of this process, so on a busy 2-core machine its own stamps came up to
-    # 0.27 s late in CI runs (its accept and parsing wait for the GIL), which said nothing
-    # of the schedule. Sending all at once fails it (every request but the first early).
+    # before its planned time, and none as late as waiting for an answer would make it. Timed
+    # at the client: the server here is a thread of this process, so on a busy 2-core machine
+    # its own stamps came up to 0.27 s late in CI runs (its accept and parsing wait for the
+    # GIL), which said nothing of the schedule; and a median within 50 ms of the plan failed
+    # a busy CI run at 78 ms. Sending all at once fails it (every request but the first early).
     starts = [r["start_s"] for r in sorted(result["requests"], key=lambda r: r["index"])]
     lateness = sorted(at_client - at_plan for at_plan, at_client in zip(planned, starts, strict=True))
     assert lateness[0] >= -0.005, lateness
-    assert lateness[count // 2] <= 0.05, lateness
-    assert lateness[-1] <= 0.5, lateness
+    assert lateness[-1] <= 0.9, lateness  # four in flight at a time: the last would be ~4 s late
 
 
 async def test_http_errors_are_counted_by_kind_and_left_out_of_latencies() -> None:
