@@ -202,8 +202,12 @@ class BlockManager:
         if self._cache is not None and self._cache.is_cached(page):
             self._cache.mark_evictable(page)
         else:
-            heapq.heappush(self._free, page)
-            self._free_set.add(page)
+            self._put_unused(page)
+
+    def _put_unused(self, page: int) -> None:
+        """`page` joins the unused pages (the heap and the set _take_one keeps together)."""
+        heapq.heappush(self._free, page)
+        self._free_set.add(page)
 
     def drop_cached_prefixes(self) -> int:
         """Forget every cached page that no sequence references: they become unused pages,
@@ -212,8 +216,7 @@ class BlockManager:
             return 0
         dropped = 0
         while (page := self._cache.evict_lru()) is not None:
-            heapq.heappush(self._free, page)
-            self._free_set.add(page)
+            self._put_unused(page)
             dropped += 1
         return dropped
 
