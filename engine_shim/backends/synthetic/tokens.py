@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
+from itertools import chain, islice
 
 from engine_shim.engine.api import InvalidRequestError, SamplingParams
 from engine_shim.engine.sampler import SampledToken
@@ -35,10 +36,10 @@ class TokenStream:
         token_id = self._rng.choice(_TOKEN_IDS)
         if not self._with_logprobs:
             return SampledToken(token_id)
-        top = tuple(
-            (t, _TOKEN_LOGPROB - 0.5 * i)
-            for i, t in enumerate([token_id, *(t for t in _DISTINCT_IDS if t != token_id)])
-        )[: self._top_logprobs]
+        if not self._top_logprobs:  # the MLC shim's case: logprobs for the ids, no alternatives
+            return SampledToken(token_id, _TOKEN_LOGPROB, ())
+        ranked = chain((token_id,), (t for t in _DISTINCT_IDS if t != token_id))
+        top = tuple((t, _TOKEN_LOGPROB - 0.5 * i) for i, t in enumerate(islice(ranked, self._top_logprobs)))
         return SampledToken(token_id, _TOKEN_LOGPROB, top)
 
 
