@@ -13,6 +13,7 @@ import uvicorn
 from pydantic import ValidationError
 
 from engine_shim.mlc_http.settings import MLCCompatSettings
+from microserving.event_loop import loop_runner
 from microserving.tokenizer import MODEL_HELP
 
 
@@ -54,6 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic-step-ms", help="synthetic core: decode step ms by batch")
     parser.add_argument("--synthetic-prefill-tok-s", type=float, help="synthetic core: prefill rate")
     parser.add_argument("--log-level", help="logging level")
+    parser.add_argument("--event-loop", choices=("auto", "asyncio", "uvloop"),
+                        help="the server's event loop (default auto: uvloop when installed)")
     return parser
 
 
@@ -112,5 +115,5 @@ def main(argv: list[str]) -> int:
         print(f"microserving mlc-compat: invalid settings:\n{error}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper())
-    asyncio.run(serve(settings))
+    loop_runner(settings.event_loop)(serve(settings))
     return 0
