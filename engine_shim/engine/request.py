@@ -66,14 +66,14 @@ class GenerateRequest:
     @property
     def is_finished(self) -> bool:
         # Asked for every request at every token (add_token, take_output, the core's emit): a
-        # generator over the choices took 0.9 us a call against 0.13 with the one choice of
-        # n = 1 read directly (the development VM, timeit).
+        # generator over the choices took 0.46 us a call against 0.16 with the one choice of
+        # n = 1 asked directly (the development VM, timeit).
         choices = self.choices
         if len(choices) != self.sampling.n:
             return False
         if len(choices) == 1:
-            return choices[0].finish_reason is not None
-        return all(c.finish_reason is not None for c in choices)
+            return choices[0].is_finished
+        return all(c.is_finished for c in choices)
 
     @property
     def can_defer_text(self) -> bool:
