@@ -160,6 +160,12 @@ class Backend(Protocol):
 
     async def status(self) -> EngineStatus: ...
 
+    def num_receive_tickets(self) -> int | None:
+        """Receive tickets open on this shim's KV plane (PrepRecv reservations a push or
+        write may fill, or filled and not yet taken by their start); None where KV reaches
+        the engine another way. Read by the metrics thread: a length, no lock needed."""
+        ...
+
     def kv_transfer_servicer(self, on_hold: HoldListener | None = None) -> KVTransferService | None:
         """The KV data plane this backend receives on, or None when KV reaches its engine
         another way (MLC's engines move it themselves)."""

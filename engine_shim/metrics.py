@@ -59,6 +59,11 @@ class _StatusCollector(Collector):
         yield InfoMetricFamily(_PREFIX + "engine", "The engine behind this shim.", value={
             "backend": info.name, "model": info.model_id, "device": info.device, "role": self._role})
         yield from _requests(status)
+        tickets = self._backend.num_receive_tickets()
+        if tickets is not None:
+            yield _gauge("kv_receive_tickets", "Receive tickets open on the shim's KV plane: PrepRecv "
+                         "reservations a push or write may fill, or filled and not yet taken by their start.",
+                         tickets)
         yield from _kv_pages(status)
         yield from _prefix_cache(status)
         yield from _counters(status)

@@ -6,11 +6,13 @@ and the values agree with the requests that were sent."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -64,7 +66,10 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Servic
     log_dir = tmp_path_factory.mktemp("metrics-stack")
     services: list[Service] = []
     try:
-        prefill, decode = start_shims(log_dir, ["prefill", "decode"], "--metrics-port", "0")
+        # A reservation TTL far beyond the test's waits: a receive ticket left open after
+        # its request is seen as open, not reclaimed by its TTL meanwhile.
+        prefill, decode = start_shims(log_dir, ["prefill", "decode"], "--metrics-port", "0",
+                                      "--reservation-ttl-s", "900")
         services += [prefill, decode]
         router = start_router(log_dir, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
                               "--pattern", "disagg", "--metrics-port", "0")
@@ -148,3 +153,26 @@ def test_grafana_dashboard_queries_only_metrics_the_stack_exports(stack: dict[st
     queried = {name for panel in dashboard["panels"] for target in panel["targets"]
                for name in re.findall(r"microserving_[a-z_]+", target["expr"])}
     assert queried and queried <= exported, sorted(queried - exported)
+
+
+def test_receive_tickets_close_when_their_requests_end(stack: dict[str, Service]) -> None:
+    """D's receive tickets (one per PrepRecv) all close once the requests have ended, short
+    ones included: a one- or two-token request can end before the push into its reservation
+    has finished its own bookkeeping, and a ticket left open would stay until its TTL (here
+    900 s), scanned by every later PrepRecv. Last in the module: it sends requests of its own."""
+    async def send_all() -> None:  # at once: the engine steps them together
+        async with openai.AsyncOpenAI(base_url=f"http://{stack['gateway'].address}/v1", api_key="unused",
+                                      timeout=120) as client:
+            await asyncio.gather(*(
+                client.completions.create(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=1 + i % 3,
+                                          temperature=0, extra_body={"ignore_eos": True})
+                for i in range(16)))
+
+    asyncio.run(send_all())
+    url = metrics_url(stack["decode"])
+    deadline = time.monotonic() + 30  # the pushes' last steps trail the answers; generous under load
+    while (open_tickets := value(scrape(url), "microserving_shim_kv_receive_tickets")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert open_tickets == 0
+    # the prefill shim receives nothing, yet reports its (empty) table
+    assert value(scrape(metrics_url(stack["prefill"])), "microserving_shim_kv_receive_tickets") == 0

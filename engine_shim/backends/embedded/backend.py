@@ -468,7 +468,8 @@ class EmbeddedBackend:
         is to wait for its KV in the engine. A start that does not takes the reservation
         (`_consume`); with start_after_kv_in_engine off, one after the KV first waits here
         (FailedPreconditionError when the reservation ends without it). One that waits in
-        the engine leaves the ticket open for the transfer (`_close_when_filled`)."""
+        the engine leaves the ticket open for the transfer (`_close_when_filled`) and, having run
+        to its end, retires it (ReceiveTable.retire: a short request may end first)."""
         if after_kv and not self._settings.start_after_kv_in_engine:
             await self._table.wait_filled(request_id)
             after_kv = False
@@ -476,11 +477,15 @@ class EmbeddedBackend:
             self._consume(request_id)
             yield False
             return
+        ticket = self._table.get(request_id)
         closing = asyncio.ensure_future(self._close_when_filled(request_id))
         try:
             yield True
         finally:
             closing.cancel()
+        # Ran to its end, so its KV arrived; the push may still be finishing (retire).
+        if ticket is not None:
+            self._table.retire(request_id, ticket)
 
     async def _close_when_filled(self, request_id: str) -> None:
         """Beside a start that waits for its KV in the engine (after_kv, made first: its op
@@ -522,6 +527,9 @@ class EmbeddedBackend:
 
     async def status(self) -> EngineStatus:
         return self.engine.status()
+
+    def num_receive_tickets(self) -> int | None:
+        return len(self._table)
 
     def tell_peers(self, addresses: Sequence[str]) -> None:
         self.kv_peers.tell(addresses)

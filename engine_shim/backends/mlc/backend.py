@@ -290,6 +290,9 @@ class MLCBackend:
         """MLC moves KV itself (NVSHMEM, within its own deployment): nothing to keep."""
         del addresses
 
+    def num_receive_tickets(self) -> int | None:
+        return None  # no KV plane here (kv_transfer_servicer)
+
     async def status(self) -> EngineStatus:
         info = self.info
         return EngineStatus(

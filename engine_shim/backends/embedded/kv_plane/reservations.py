@@ -69,6 +69,13 @@ class ReceiveTable:
     def ttl_s(self) -> float:
         return self._ttl_s
 
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def get(self, request_id: str) -> Ticket | None:
+        """The request's ticket, expired or not."""
+        return self._tickets.get(request_id)
+
     def open(self, request_id: str, begin: int, end: int, num_kv_bytes: int = 0,
              stage_backed: bool = True, engine_held: bool = False) -> Ticket:
         """A new ticket; with a stage for `num_kv_bytes` when shared memory is on and the
@@ -164,6 +171,24 @@ class ReceiveTable:
         ticket.num_engine_holds = 0
         ticket.engine_held = False
         self._give_back(ticket, is_clean=True)
+
+    def retire(self, request_id: str, ticket: Ticket) -> None:
+        """The start that waited for `ticket`'s KV has run to its end: the ticket has served.
+        Closed now or, while a push or write is still finishing into it (a short request can
+        end before the receiving side's own last steps), as that finishes; left open, it
+        would stay in the table until its TTL, and every open scans the table."""
+        if self._tickets.get(request_id) is not ticket:
+            return
+        if not ticket.is_receiving:
+            self.close(request_id)
+            return
+        if ticket.filled is None:
+            ticket.filled = asyncio.get_running_loop().create_future()
+        ticket.filled.add_done_callback(lambda _: self._close_if_open(request_id, ticket))
+
+    def _close_if_open(self, request_id: str, ticket: Ticket) -> None:
+        if self._tickets.get(request_id) is ticket:
+            self.close(request_id)
 
     def is_open(self, request_id: str, ticket: Ticket) -> bool:
         """Whether `ticket` is still the request's open one."""
