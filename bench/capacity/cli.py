@@ -152,12 +152,16 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
                   alone: EngineAlone) -> dict[tuple[int, bool], AloneResult]:
     """The real engine alone (in a process of its own), each stream count on the same
     workload, before any shim takes the device: streams started at once (the yardstick of the
-    ratio) and staggered one step apart (EngineAlone.run), keyed (streams, staggered)."""
+    ratio) and staggered one step apart (EngineAlone.run), keyed (streams, staggered). With
+    --alone-each-round the yardstick is run before each round's cells instead, so this pass
+    runs only the staggered variant, once: on a GPU lent by the minute it was a third of a
+    call (two rounds of both variants of every stream count, before any stack)."""
     results = {}
+    each_round = args.alone_each_round
     for streams in streams_list:
         runs: dict[bool, list[AloneResult]] = {False: [], True: []}
-        for round_index in range(args.rounds):
-            for staggered in (False, True):
+        for round_index in range(1 if each_round else args.rounds):
+            for staggered in (True,) if each_round else (False, True):
                 profiler = None if not (args.profile_s and staggered and round_index == 0
                                         and streams == max(streams_list)) else \
                     profiling.record(alone.pid, args.out / f"profile-alone-{streams}.txt",
@@ -174,7 +178,8 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
                     profiler.send_signal(signal.SIGINT)
                     profiler.wait()
         for staggered, found in runs.items():  # the median round of each
-            results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
+            if found:
+                results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
     return results
 
 

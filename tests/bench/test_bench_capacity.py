@@ -154,7 +154,8 @@ def test_ab_values_and_client_processes_take_turns(tmp_path: Path) -> None:
 
 def test_alone_each_round_measures_each_round_against_its_own_yardstick(tmp_path: Path) -> None:
     """--backend embedded --alone-each-round: the engine alone runs again right before each
-    round's cells, and each round's ratio is against that run (printed, then in the JSON)."""
+    round's cells, and each round's ratio is against that run (printed, then in the JSON); the
+    pass before the stacks runs only the staggered variant, once, for its column."""
     done = subprocess.run(
         [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--out", str(tmp_path),
          "--backend", "embedded", "--model", "tiny", "--device", "cpu", "--patterns", "round-robin",
@@ -167,7 +168,12 @@ def test_alone_each_round_measures_each_round_against_its_own_yardstick(tmp_path
     yardsticks = [float(line.split(": ")[1].split(" tok/s")[0].replace(",", ""))
                   for line in done.stderr.splitlines() if "this round's yardstick" in line]
     assert len(yardsticks) == 2
+    # Up front, before any stack: only the staggered run, once (the yardstick comes each round).
+    up_front = [line for line in done.stderr.splitlines()
+                if "engine alone streams" in line and "yardstick" not in line]
+    assert len(up_front) == 1 and "round 0 staggered" in up_front[0], up_front
     [row] = json.loads((tmp_path / "capacity.json").read_text())["rows"]
+    assert row["alone_staggered_tok_s"] > 0
     assert row["num_errors"] == 0 and row["num_tokens"] == 2 * 2 * 4
     for cell, yardstick in zip(row["rounds"], yardsticks, strict=True):
         assert cell["nominal_tok_s"] == pytest.approx(yardstick, abs=0.51)  # printed rounded
