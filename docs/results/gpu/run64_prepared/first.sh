@@ -4,6 +4,8 @@
 # before every cell); PART and ROUNDS choose what one call runs.
 # Otherwise: the MLC relay on the host's 16 cores (run63_prepared, no GPU used).
 # Usage: source .gpuwhl/prep.sh; PART=rr ROUNDS=2 T=420 bash first.sh "$OUT"
+# (as run 64 was called). On an H200 since the bench's lighter engine-alone pass (9a4a514),
+# three rounds a call should fit: PART=rr ROUNDS=3 T=560, then PART=disagg ROUNDS=3 T=560.
 O=$1; mkdir -p "$O"; export PYTHONUNBUFFERED=1
 if nvidia-smi --query-gpu=name --format=csv,noheader | tee "$O/card.txt" | grep -q H200; then
   bash docs/results/gpu/run50_prepared/table3.sh "$O/${PART:?}"
