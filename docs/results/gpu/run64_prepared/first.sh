@@ -9,8 +9,10 @@
 O=$1; mkdir -p "$O"; export PYTHONUNBUFFERED=1
 if nvidia-smi --query-gpu=name --format=csv,noheader | tee "$O/card.txt" | grep -q H200; then
   bash docs/results/gpu/run50_prepared/table3.sh "$O/${PART:?}"
-else
+elif [ -z "$ONLY_H200" ]; then
   bash docs/results/gpu/run63_prepared/mlc_relay.sh "$O/relay"
+else
+  echo "not an H200: $(cat "$O/card.txt"); nothing run (ONLY_H200)"
 fi
 tar -C "$O" -czf "$O/../out.tgz" . 2>/dev/null; mv "$O/../out.tgz" "$O/" 2>/dev/null
 echo "== end $(date +%T)"
