@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Wheels for a CUDA machine that has torch but not this stack's control-plane packages and
 # cannot reach a package index (the project's GPU runs, docs/gpu.md; aiohttp and orjson for
-# `bench mlc-relay`'s shims and client): downloads them for its
+# `bench mlc-relay`'s shims and client; pytest-asyncio for the async tests the image's pytest
+# cannot run without it): downloads them for its
 # Python (3.12 by default) into .gpuwhl/, NIXL's CUDA 13 build into .gpunixl/ trimmed of what
 # a KV path does not load (its expert-parallel extensions, UCX's perftest, the AWS / Azure
 # storage plugins' libraries: 237 MB unpacked, 59 MB packed, down to 24 MB, so both folders
@@ -26,7 +27,8 @@ download .gpuwhl "grpcio==1.85.1" "protobuf>=7.35.1" "grpcio-health-checking==1.
   "grpcio-reflection==1.85.1" fastapi starlette pydantic pydantic-core pydantic-settings \
   python-dotenv uvicorn opentelemetry-api importlib-metadata typing-inspection annotated-types \
   httptools py-spy \
-  aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna orjson
+  aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna orjson \
+  pytest-asyncio
 download .gpunixl "nixl-cu13==1.5.1"
 python3 - .gpunixl/nixl_cu13-*.whl <<'TRIM'
 import fnmatch, os, sys, zipfile
