@@ -157,16 +157,18 @@ def test_grafana_dashboard_queries_only_metrics_the_stack_exports(stack: dict[st
 
 def test_receive_tickets_close_when_their_requests_end(stack: dict[str, Service]) -> None:
     """D's receive tickets (one per PrepRecv) all close once the requests have ended, short
-    ones included: a one- or two-token request can end before the push into its reservation
-    has finished its own bookkeeping, and a ticket left open would stay until its TTL (here
-    900 s), scanned by every later PrepRecv. Last in the module: it sends requests of its own."""
+    ones included: a two-token request can end before the push into its reservation has
+    finished its own bookkeeping, and a ticket left open would stay until its TTL (here 900 s),
+    scanned by every later PrepRecv. 64 at once make that order likely enough that the test
+    failed in 4 of 4 runs without ReceiveTable.retire (2-19 tickets left open); with it, it
+    takes under a second. Last in the module: it sends requests of its own."""
     async def send_all() -> None:  # at once: the engine steps them together
         async with openai.AsyncOpenAI(base_url=f"http://{stack['gateway'].address}/v1", api_key="unused",
                                       timeout=120) as client:
             await asyncio.gather(*(
-                client.completions.create(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=1 + i % 3,
+                client.completions.create(model="tiny", prompt=f"{PROMPT} {i}", max_tokens=2,
                                           temperature=0, extra_body={"ignore_eos": True})
-                for i in range(16)))
+                for i in range(64)))
 
     asyncio.run(send_all())
     url = metrics_url(stack["decode"])
