@@ -7,6 +7,7 @@ its values to that directory and /metrics reports their sum.
 
 from __future__ import annotations
 
+import glob
 import os
 from typing import TYPE_CHECKING
 
@@ -63,6 +64,28 @@ class GatewayMetrics:
     def render(self) -> bytes:
         if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # worker processes: all of them summed
             registry = CollectorRegistry()
-            MultiProcessCollector(registry)
+            _WorkerFilesCollector(registry)
             return generate_latest(registry)
         return b"".join(generate_latest(r) for r in (self.registry, *self._also))
+
+
+class _WorkerFilesCollector(MultiProcessCollector):
+    """prometheus-client's multiprocess collector, less the files a worker is still creating.
+    A worker opens each of its value files and only then sizes it (MmapedDict), so a scrape
+    on another worker in between found an empty file and failed whole (struct.error, a 500 on
+    /metrics) while a worker was starting or being replaced. Such a file holds no values yet:
+    it is left out of this scrape."""
+
+    def collect(self):  # type: ignore[no-untyped-def]  # as the base class's
+        files = [f for f in glob.glob(os.path.join(self._path, "*.db")) if _has_header(f)]
+        return self.merge(files, accumulate=True)
+
+
+def _has_header(path: str) -> bool:
+    try:
+        return os.path.getsize(path) >= _HEADER_BYTES
+    except FileNotFoundError:  # a live gauge's file, removed since the glob
+        return False
+
+
+_HEADER_BYTES = 8  # MmapedDict's used-bytes integer and its padding

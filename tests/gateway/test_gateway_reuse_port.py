@@ -78,7 +78,8 @@ def _connections(port: int, count: int) -> Iterator[list[socket.socket]]:
     """`count` connections to the gateway, each asked for /metrics and answered 200."""
     sockets = [socket.create_connection(("127.0.0.1", port)) for _ in range(count)]
     try:
-        assert all(_get_metrics(s).startswith(b"HTTP/1.1 200") for s in sockets)
+        answers = [_get_metrics(s) for s in sockets]
+        assert all(a.startswith(b"HTTP/1.1 200") for a in answers), answers  # what came back
         yield sockets
     finally:
         for s in sockets:
