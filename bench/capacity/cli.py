@@ -158,10 +158,11 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
     call (two rounds of both variants of every stream count, before any stack)."""
     results = {}
     each_round = args.alone_each_round
+    variants = (True,) if each_round else (False, True)
     for streams in streams_list:
-        runs: dict[bool, list[AloneResult]] = {False: [], True: []}
+        runs: dict[bool, list[AloneResult]] = {staggered: [] for staggered in variants}
         for round_index in range(1 if each_round else args.rounds):
-            for staggered in (True,) if each_round else (False, True):
+            for staggered in variants:
                 profiler = None if not (args.profile_s and staggered and round_index == 0
                                         and streams == max(streams_list)) else \
                     profiling.record(alone.pid, args.out / f"profile-alone-{streams}.txt",
@@ -178,8 +179,7 @@ def _engine_alone(args: argparse.Namespace, streams_list: list[int], spec: LoadS
                     profiler.send_signal(signal.SIGINT)
                     profiler.wait()
         for staggered, found in runs.items():  # the median round of each
-            if found:
-                results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
+            results[(streams, staggered)] = sorted(found, key=lambda r: r.tok_s)[len(found) // 2]
     return results
 
 

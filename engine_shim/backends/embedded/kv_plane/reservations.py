@@ -177,7 +177,7 @@ class ReceiveTable:
         Closed now or, while a push or write is still finishing into it (a short request can
         end before the receiving side's own last steps), as that finishes; left open, it
         would stay in the table until its TTL, and every open scans the table."""
-        if self._tickets.get(request_id) is not ticket:
+        if not self.is_open(request_id, ticket):
             return
         if not ticket.is_receiving:
             self.close(request_id)
@@ -187,7 +187,7 @@ class ReceiveTable:
         ticket.filled.add_done_callback(lambda _: self._close_if_open(request_id, ticket))
 
     def _close_if_open(self, request_id: str, ticket: Ticket) -> None:
-        if self._tickets.get(request_id) is ticket:
+        if self.is_open(request_id, ticket):
             self.close(request_id)
 
     def is_open(self, request_id: str, ticket: Ticket) -> bool:
