@@ -16,14 +16,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.loadgen.results import speed_text
+
 
 def machine_line(machine: dict[str, Any]) -> str:
     speed = machine.get("host_speed")
-    speed_text = (f", host speed {speed['python_loop_ns']} ns a Python loop iteration and "
-                  f"{speed['socket_round_trip_us']} us a socket round trip" if speed else "")
+    speed_words = f", host speed {speed_text(speed)}" if speed else ""
     return (f"*Machine: {machine.get('cpu_model', '?')}, {machine.get('usable_cores', '?')} usable "
             f"cores ({machine.get('cpu_cores', '?')} online), Python {machine.get('python', '?')}, "
-            f"{machine.get('platform', '?')}{speed_text}; measured {machine.get('date', '?')}.*")
+            f"{machine.get('platform', '?')}{speed_words}; measured {machine.get('date', '?')}.*")
 
 
 def _find_machine(table: Path, results: Path | None) -> dict[str, Any] | None:

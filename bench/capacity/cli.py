@@ -33,7 +33,7 @@ from bench.capacity.nominal import Nominal, nominal
 from bench.capacity.profiling import start_profiles
 from bench.capacity.report import fold_rounds, table
 from bench.capacity.stack import ROLES, Stack, StackOptions, start_stack
-from bench.loadgen.results import machine_info
+from bench.loadgen.results import host_speed, machine_info, speed_text
 from bench.procs import ServiceGroup, service_group
 from engine_shim.backends.synthetic.profile import (
     DEFAULT_PREFILL_TOK_S,
@@ -267,6 +267,9 @@ async def _pattern_rows(group: ServiceGroup, pattern: str, args: argparse.Namesp
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     profile = StepProfile.parse(args.step_ms, args.prefill_tok_s)
+    # The host's part of every hop, printed first: it stays in the log of a run cut short
+    # (the JSON's machine line is measured again at the end).
+    print(f"host at the start: {speed_text(host_speed())}", flush=True)
     streams_list, base_spec = _load_specs(args)
     options = _stack_options(args, max(streams_list))
     engine = None if args.backend == "synthetic" else \

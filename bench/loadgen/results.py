@@ -10,6 +10,7 @@ import platform
 import socket
 import statistics
 import sys
+import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -35,7 +36,7 @@ def host_speed(trials: int = 5) -> dict[str, float]:
     VM on different days can be told apart (its speed moves with the host under it; one day's
     table ran at twice another's CPU per token with the same code): the median nanoseconds of
     one Python loop iteration and microseconds of a 64-byte round trip through a local socket
-    pair (four syscalls). About 0.1 s."""
+    pair (four syscalls), then the wake-ups (`wake_round_trips`). About 0.2 s."""
     loop_ns: list[float] = []
     trip_us: list[float] = []
     left, right = socket.socketpair()
@@ -55,7 +56,55 @@ def host_speed(trials: int = 5) -> dict[str, float]:
         left.close()
         right.close()
     return {"python_loop_ns": round(statistics.median(loop_ns), 1),
-            "socket_round_trip_us": round(statistics.median(trip_us), 2)}
+            "socket_round_trip_us": round(statistics.median(trip_us), 2),
+            **wake_round_trips()}
+
+
+def wake_round_trips(busy: int = 300, idle: int = 40, pause_s: float = 0.002) -> dict[str, float]:
+    """Median microseconds of a one-byte round trip to a thread that waits for it in recv():
+    back to back (`busy_wake_round_trip_us`), and after a pause of `pause_s` in which both
+    threads sleep (`idle_wake_round_trip_us`). Every hop of the stack wakes a waiting thread
+    like this, and at low load it wakes one whose CPU went idle: what that costs is a property
+    of the host (its idle states, a hypervisor's halt), not of the code. Two H100 hosts gave
+    the same stack first tokens 3 ms apart at one stream (docs/gpu.md, "Runs 68-70"); this
+    probe puts the host's part beside every figure."""
+    left, right = socket.socketpair()
+
+    def echo() -> None:
+        while data := right.recv(1):
+            right.send(data)
+
+    thread = threading.Thread(target=echo, name="wake-probe", daemon=True)
+    thread.start()
+    try:
+        busy_us = [_round_trip_us(left) for _ in range(busy)]
+        idle_us: list[float] = []
+        for _ in range(idle):
+            time.sleep(pause_s)
+            idle_us.append(_round_trip_us(left))
+    finally:
+        left.close()  # the echo thread's recv() returns b"": it ends
+        thread.join(timeout=1.0)
+        right.close()
+    return {"busy_wake_round_trip_us": round(statistics.median(busy_us), 1),
+            "idle_wake_round_trip_us": round(statistics.median(idle_us), 1)}
+
+
+def _round_trip_us(sock: socket.socket) -> float:
+    start = time.perf_counter()
+    sock.send(b"x")
+    sock.recv(1)
+    return (time.perf_counter() - start) * 1e6
+
+
+def speed_text(speed: dict[str, float]) -> str:
+    """`host_speed()` in words, for a log or a doc's machine line."""
+    text = (f"{speed['python_loop_ns']} ns a Python loop iteration, "
+            f"{speed['socket_round_trip_us']} us a socket round trip")
+    if "idle_wake_round_trip_us" in speed:  # results written before the wake-up probe lack it
+        text += (f", {speed['busy_wake_round_trip_us']} / {speed['idle_wake_round_trip_us']} us "
+                 "a round trip to a waiting thread, busy / after 2 ms idle")
+    return text
 
 
 def machine_info(command: list[str] | None = None) -> dict[str, Any]:

@@ -37,9 +37,14 @@ def test_bench_writes_results_json_with_machine_info_and_a_cdf_png(tmp_path: Pat
     assert "--concurrency 2" in machine["command"]
     speed = machine["host_speed"]
     assert speed["python_loop_ns"] > 0 and speed["socket_round_trip_us"] > 0
+    # a round trip through another thread costs more than the socket pair's within one
+    assert speed["idle_wake_round_trip_us"] > 0
+    assert speed["busy_wake_round_trip_us"] > speed["socket_round_trip_us"] / 4
     line = machine_line(machine)
     assert f"{speed['python_loop_ns']} ns a Python loop iteration" in line
     assert f"{speed['socket_round_trip_us']} us a socket round trip" in line
+    assert (f"{speed['busy_wake_round_trip_us']} / {speed['idle_wake_round_trip_us']} us a round "
+            "trip to a waiting thread") in line
     assert (tmp_path / "run" / "cdf.png").read_bytes().startswith(PNG_MAGIC)
 
 
