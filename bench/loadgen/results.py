@@ -67,7 +67,7 @@ def wake_round_trips(busy: int = 300, idle: int = 40, pause_s: float = 0.002) ->
     like this, and at low load it wakes one whose CPU went idle: what that costs is a property
     of the host (its idle states, a hypervisor's halt), not of the code. Two H100 hosts gave
     the same stack first tokens 3 ms apart at one stream (docs/gpu.md, "Runs 68-70"); this
-    probe puts the host's part beside every figure."""
+    probe puts a measure of the host's part beside every figure."""
     left, right = socket.socketpair()
 
     def echo() -> None:
