@@ -37,7 +37,8 @@ def test_bench_writes_results_json_with_machine_info_and_a_cdf_png(tmp_path: Pat
     assert "--concurrency 2" in machine["command"]
     speed = machine["host_speed"]
     assert speed["python_loop_ns"] > 0 and speed["socket_round_trip_us"] > 0
-    # a round trip through another thread costs more than the socket pair's within one
+    # the wake-up probe measured something: a round trip through another thread makes the
+    # same syscalls as the socket pair's within one and more (loosely bounded: no timing test)
     assert speed["idle_wake_round_trip_us"] > 0
     assert speed["busy_wake_round_trip_us"] > speed["socket_round_trip_us"] / 4
     line = machine_line(machine)
