@@ -67,6 +67,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-peers", str, "comma-separated host:port this shim may push KV to (besides routers' engines)"),
     ("--kv-peer-ttl-s", float, "seconds an engine a router reported stays a KV peer"),
     ("--kv-push-timeout-s", float, "deadline of one KV push to a peer"),
+    ("--kv-push-stall-timeout-s", float, "a gRPC KV push whose receiver takes nothing this long "
+     "fails UNAVAILABLE (default 10)"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
     ("--stream-interval-ms", float, "Engine.Generate: least ms between messages after a "
      "request's first token (several steps per message; default 0: one per step)"),

@@ -182,6 +182,13 @@ class ShimSettings(BaseSettings):
     kv_push_timeout_s: float = Field(
         300.0, gt=0, description="Deadline of one KV push to a peer, queueing included."
     )
+    kv_push_stall_timeout_s: float = Field(
+        10.0, gt=0, le=300,
+        description="A gRPC KV push whose receiver takes none of its messages (or, after the "
+        "last, gives no answer) for this long, a receiver stopped or hung, fails with "
+        "UNAVAILABLE naming the receiver and is cancelled (the engine's own time to compute "
+        "the KV does not count); as a NIXL write's --kv-write-timeout-s.",
+    )
     max_prompt_tokens: int = Field(
         1_000_000, ge=1, description="Largest prompt (token ids) one call may carry."
     )

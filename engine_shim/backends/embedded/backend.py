@@ -372,6 +372,7 @@ class EmbeddedBackend:
             max_payload_bytes=self._settings.kv_push_chunk_bytes,
             is_staged=stage is not None,
             timeout_s=self._settings.kv_push_timeout_s,
+            stall_timeout_s=self._settings.kv_push_stall_timeout_s,
         )
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -129,11 +130,18 @@ class PeerChannels:
 
 
 class _Progress:
-    """What the request stream saw: bytes sent and the engine's error, if it raised one."""
+    """What the request stream saw: bytes sent, the engine's error if it raised one, and since
+    when the push has waited on the receiver (a message gRPC has not taken yet, or, after the
+    last, the answer; None while it waits on its own engine for the next chunk)."""
 
     def __init__(self) -> None:
         self.num_bytes = 0
         self.error: BaseException | None = None
+        self.receiver_owes_since: float | None = None
+
+    def owed(self, message: bytes) -> bytes:
+        self.receiver_owes_since = time.monotonic()
+        return message
 
 
 async def _messages(
@@ -148,19 +156,27 @@ async def _messages(
         reservation_token=addr.reservation_token,
         layout=layout_to_pb(addr.layout),
     )
-    yield engine_pb2.PushKVRequest(header=header).SerializeToString()
+    # gRPC takes the next message once the previous one is written (the receiver's flow
+    # control lets it through): from each yield until then the receiver owes the push.
+    yield progress.owed(engine_pb2.PushKVRequest(header=header).SerializeToString())
     try:
-        async for chunk in chunks:
+        while True:
+            progress.receiver_owes_since = None  # the engine's turn: its next chunk
+            try:
+                chunk = await anext(chunks)
+            except StopAsyncIteration:
+                break
             if is_staged:  # already in the receiver's stage: only the window goes out
                 progress.num_bytes += chunk.num_tokens * bytes_per_token(addr.layout)
-                yield encode_chunk_request(chunk.begin, chunk.num_tokens, b"")
+                yield progress.owed(encode_chunk_request(chunk.begin, chunk.num_tokens, b""))
                 continue
             for begin, num_tokens, raw in split_chunk(chunk, max_payload_bytes):
                 progress.num_bytes += len(raw)
-                yield encode_chunk_request(begin, num_tokens, raw)
+                yield progress.owed(encode_chunk_request(begin, num_tokens, raw))
     except Exception as error:  # noqa: BLE001 - re-raised by push_kv after the call ends
         # Ending the stream early makes the receiver drop the incomplete reservation.
         progress.error = error
+    progress.owed(b"")  # the last message is out: the answer is the receiver's
 
 
 async def push_kv(
@@ -171,25 +187,59 @@ async def push_kv(
     max_payload_bytes: int,
     is_staged: bool = False,
     timeout_s: float | None = None,
+    stall_timeout_s: float | None = None,
 ) -> tuple[int, int]:
     """Stream `chunks` into the reservation `addr` names; returns (tokens, bytes) written.
     `is_staged`: the chunks were exported into the receiver's shared-memory stage, so their
-    messages carry windows only (shm.py)."""
+    messages carry windows only (shm.py). `timeout_s` bounds the whole push, the engine's
+    queue included; `stall_timeout_s` the receiver's part alone: a receiver that takes no
+    message (or, after the last, gives no answer) for that long, one stopped or hung, ends the
+    push with ReceiverUnavailableError, where it would otherwise hold it until `timeout_s`."""
     progress = _Progress()
     stub = peers.stub(addr.address)
     messages = _messages(addr, chunks, max_payload_bytes, is_staged, progress)
+    call = stub(messages, timeout=timeout_s)
+    watch = None if stall_timeout_s is None else \
+        asyncio.ensure_future(_watch_receiver(call, progress, stall_timeout_s))
     try:
-        response: engine_pb2.PushKVResponse = await stub(messages, timeout=timeout_s)
-    except aio.AioRpcError as error:
-        if progress.error is not None:
+        response: engine_pb2.PushKVResponse = await call
+    except (aio.AioRpcError, asyncio.CancelledError) as error:
+        # The watch cancels the call locally, which gRPC raises as CancelledError; one that
+        # reaches this task from outside stays a cancellation.
+        stalled = watch is not None and watch.done() and not watch.cancelled() and watch.result()
+        task = asyncio.current_task()
+        if isinstance(error, asyncio.CancelledError) and (
+                not stalled or (task is not None and task.cancelling())):
+            raise
+        if progress.error is not None:  # the engine failed first: its error, not the stall
             raise progress.error from None
+        if stalled:
+            raise ReceiverUnavailableError(
+                f"KV push to {addr.address} failed: the receiver took nothing for "
+                f"{stall_timeout_s:g} s") from None
+        assert isinstance(error, aio.AioRpcError)
         error_type = PEER_ERRORS.get(error.code(), ReceiverUnavailableError)
         raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
     finally:
+        if watch is not None:
+            watch.cancel()
         await _close(chunks)
     if progress.error is not None:
         raise progress.error
     return response.num_tokens_written, response.num_bytes_written
+
+
+async def _watch_receiver(call: aio.StreamUnaryCall, progress: _Progress, stall_s: float) -> bool:
+    """Cancels `call` once its receiver has owed it for `stall_s`; True if it did. Checks a
+    few times a stall's length (one timer a push, not one per message)."""
+    interval_s = max(0.05, stall_s / 4)
+    while not call.done():
+        await asyncio.sleep(interval_s)
+        since = progress.receiver_owes_since
+        if since is not None and time.monotonic() - since >= stall_s and not call.done():
+            call.cancel()
+            return True
+    return False
 
 
 async def _close(chunks: AsyncIterator[KVChunk]) -> None:
