@@ -11,7 +11,6 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
@@ -37,8 +36,9 @@ STALL_S = 1.0
 CALLER_DEADLINE_S = 20.0
 
 
-@pytest.fixture()
-def grpc_shims(tmp_path: Path) -> Iterator[dict[str, ShimProcess]]:
+@pytest.fixture(scope="module")
+def grpc_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
+    tmp_path = tmp_path_factory.mktemp("push-stall")
     shims = {
         "prefill": start_shim(tmp_path, "stall-p", "--role", "prefill", "--kv-transport", "grpc",
                               "--kv-push-stall-timeout-s", str(STALL_S)),
