@@ -60,7 +60,10 @@ def host_speed(trials: int = 5) -> dict[str, float]:
             **wake_round_trips()}
 
 
-def wake_round_trips(busy: int = 300, idle: int = 40, pause_s: float = 0.002) -> dict[str, float]:
+_WAKE_PAUSE_S = 0.002  # wake_round_trips' idle pause, which speed_text names
+
+
+def wake_round_trips(busy: int = 300, idle: int = 40, pause_s: float = _WAKE_PAUSE_S) -> dict[str, float]:
     """Median microseconds of a one-byte round trip to a thread that waits for it in recv():
     back to back (`busy_wake_round_trip_us`), and after a pause of `pause_s` in which both
     threads sleep (`idle_wake_round_trip_us`). Every hop of the stack wakes a waiting thread
@@ -103,7 +106,7 @@ def speed_text(speed: dict[str, float]) -> str:
             f"{speed['socket_round_trip_us']} us a socket round trip")
     if "idle_wake_round_trip_us" in speed:  # results written before the wake-up probe lack it
         text += (f", {speed['busy_wake_round_trip_us']} / {speed['idle_wake_round_trip_us']} us "
-                 "a round trip to a waiting thread, busy / after 2 ms idle")
+                 f"a round trip to a waiting thread, busy / after {_WAKE_PAUSE_S * 1e3:g} ms idle")
     return text
 
 
