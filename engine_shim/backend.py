@@ -83,6 +83,11 @@ class KVTransferService(Protocol):
 
     def add_to_server(self, server: aio.Server) -> None: ...
 
+    def drain(self) -> None:
+        """The shim drains for shutdown: long-lived streams end once nothing is open on
+        them (new calls are refused by the server)."""
+        ...
+
 
 class Backend(Protocol):
     """An engine behind the shim. Windows reaching it are normalised and valid."""

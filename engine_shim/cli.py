@@ -69,6 +69,8 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("--kv-push-timeout-s", float, "deadline of one KV push to a peer"),
     ("--kv-push-stall-timeout-s", float, "a gRPC KV push whose receiver takes nothing this long "
      "fails UNAVAILABLE (default 10)"),
+    ("--kv-push-stream", str, "true | false: pushes through the receiver's shared-memory stage "
+     "go on one long-lived stream per peer (default true) or a call each"),
     ("--max-prompt-tokens", int, "largest prompt (token ids) one call may carry"),
     ("--stream-interval-ms", float, "Engine.Generate: least ms between messages after a "
      "request's first token (several steps per message; default 0: one per step)"),

@@ -11,7 +11,7 @@ from grpc import aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from engine_shim.backend import Backend
+from engine_shim.backend import Backend, KVTransferService
 from engine_shim.metrics import ShimMetrics
 from engine_shim.requests import RequestTracker
 from engine_shim.servicer import EngineServicer
@@ -59,6 +59,7 @@ class ShimServer:
         self.metrics = ShimMetrics(self.backend, settings.role)
         self.metrics_server: MetricsServer | None = None
         self._server: aio.Server | None = None
+        self._kv_servicer: KVTransferService | None = None
         self._service_names = ["", ENGINE_SERVICE]
         self.port = 0
 
@@ -69,7 +70,8 @@ class ShimServer:
     def _build(self) -> aio.Server:
         server = create_server(self.settings.transport())
         engine_pb2_grpc.add_EngineServicer_to_server(self.servicer, server)
-        kv_servicer = self.backend.kv_transfer_servicer(on_hold=self.servicer.hold_reservation)
+        kv_servicer = self._kv_servicer = \
+            self.backend.kv_transfer_servicer(on_hold=self.servicer.hold_reservation)
         if kv_servicer is not None:
             kv_servicer.add_to_server(server)
             self._service_names.append(KV_TRANSFER_SERVICE)
@@ -109,6 +111,8 @@ class ShimServer:
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self.servicer.is_draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._kv_servicer is not None:
+            self._kv_servicer.drain()
         if self._server is not None:
             await self._server.stop(grace)
         await self.backend.shutdown()

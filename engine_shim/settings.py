@@ -189,6 +189,13 @@ class ShimSettings(BaseSettings):
         "UNAVAILABLE naming the receiver and is cancelled (the engine's own time to compute "
         "the KV does not count); as a NIXL write's --kv-write-timeout-s.",
     )
+    kv_push_stream: bool = Field(
+        True,
+        description="A push through the receiver's shared-memory stage (its messages carry "
+        "windows, not KV) goes on one long-lived KVTransfer.PushKVStream per peer, where the "
+        "receiver offers it (this setting, on the receiver), not a PushKV call of its own; "
+        "false: a call per push (for side-by-side measurements).",
+    )
     max_prompt_tokens: int = Field(
         1_000_000, ge=1, description="Largest prompt (token ids) one call may carry."
     )

@@ -1232,3 +1232,167 @@ class PushKVResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PushKVResponse: _TypeAlias = PushKVResponse  # noqa: Y015
+
+@_typing.final
+class KVPushEnd(_message.Message):
+    """A push's last entry on a PushKVStream: every chunk has been sent."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVPushEnd: _TypeAlias = KVPushEnd  # noqa: Y015
+
+@_typing.final
+class KVPushCancel(_message.Message):
+    """The sender gives a push up (its engine failed, or the push was cancelled or outlived its
+    deadline): the receiver aborts the reservation and answers nothing.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVPushCancel: _TypeAlias = KVPushCancel  # noqa: Y015
+
+@_typing.final
+class PushKVStreamEntry(_message.Message):
+    """One entry of a PushKVStream message."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUSH_ID_FIELD_NUMBER: _builtins.int
+    HEADER_FIELD_NUMBER: _builtins.int
+    CHUNK_FIELD_NUMBER: _builtins.int
+    END_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
+    push_id: _builtins.int
+    """Sender-chosen id of the push, unique among the pushes of the stream."""
+    @_builtins.property
+    def header(self) -> Global___KVPushHeader:
+        """Names the reservation and the sender's layout; the push's first entry."""
+
+    @_builtins.property
+    def chunk(self) -> Global___KVChunkData:
+        """KV of consecutive positions (a window of the shared-memory stage: no bytes)."""
+
+    @_builtins.property
+    def end(self) -> Global___KVPushEnd:
+        """The push's last entry."""
+
+    @_builtins.property
+    def cancel(self) -> Global___KVPushCancel:
+        """The push is given up."""
+
+    def __init__(
+        self,
+        *,
+        push_id: _builtins.int = ...,
+        header: Global___KVPushHeader | None = ...,
+        chunk: Global___KVChunkData | None = ...,
+        end: Global___KVPushEnd | None = ...,
+        cancel: Global___KVPushCancel | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "chunk", b"chunk", "end", b"end", "header", b"header", "payload", b"payload"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "chunk", b"chunk", "end", b"end", "header", b"header", "payload", b"payload", "push_id", b"push_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_payload: _TypeAlias = _typing.Literal["header", "chunk", "end", "cancel"]  # noqa: Y015
+    _WhichOneofArgType_payload: _TypeAlias = _typing.Literal["payload", b"payload"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_payload) -> _WhichOneofReturnType_payload | None: ...
+
+Global___PushKVStreamEntry: _TypeAlias = PushKVStreamEntry  # noqa: Y015
+
+@_typing.final
+class PushKVStreamRequest(_message.Message):
+    """One sender message of KVTransfer.PushKVStream: entries of one or more pushes, in order."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENTRIES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def entries(self) -> _containers.RepeatedCompositeFieldContainer[Global___PushKVStreamEntry]: ...
+    def __init__(
+        self,
+        *,
+        entries: _abc.Iterable[Global___PushKVStreamEntry] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entries", b"entries"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushKVStreamRequest: _TypeAlias = PushKVStreamRequest  # noqa: Y015
+
+@_typing.final
+class PushKVResult(_message.Message):
+    """The result of one push on a PushKVStream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PUSH_ID_FIELD_NUMBER: _builtins.int
+    DONE_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    push_id: _builtins.int
+    """The push's id."""
+    @_builtins.property
+    def done(self) -> Global___PushKVResponse:
+        """The push's KV is in the reservation (what PushKV returns)."""
+
+    @_builtins.property
+    def error(self) -> Global___GenerateError:
+        """The push failed with the status code PushKV would have ended with."""
+
+    def __init__(
+        self,
+        *,
+        push_id: _builtins.int = ...,
+        done: Global___PushKVResponse | None = ...,
+        error: Global___GenerateError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error", b"error", "outcome", b"outcome"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "error", b"error", "outcome", b"outcome", "push_id", b"push_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_outcome: _TypeAlias = _typing.Literal["done", "error"]  # noqa: Y015
+    _WhichOneofArgType_outcome: _TypeAlias = _typing.Literal["outcome", b"outcome"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_outcome) -> _WhichOneofReturnType_outcome | None: ...
+
+Global___PushKVResult: _TypeAlias = PushKVResult  # noqa: Y015
+
+@_typing.final
+class PushKVStreamResponse(_message.Message):
+    """One receiver message of KVTransfer.PushKVStream: the results ready when its writer wrote."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___PushKVResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___PushKVResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PushKVStreamResponse: _TypeAlias = PushKVStreamResponse  # noqa: Y015

@@ -364,6 +364,11 @@ class KVTransferStub:
                 request_serializer=microserving_dot_v1_dot_engine__pb2.PushKVRequest.SerializeToString,
                 response_deserializer=microserving_dot_v1_dot_engine__pb2.PushKVResponse.FromString,
                 _registered_method=True)
+        self.PushKVStream = channel.stream_stream(
+                '/microserving.v1.KVTransfer/PushKVStream',
+                request_serializer=microserving_dot_v1_dot_engine__pb2.PushKVStreamRequest.SerializeToString,
+                response_deserializer=microserving_dot_v1_dot_engine__pb2.PushKVStreamResponse.FromString,
+                _registered_method=True)
         self.WriteKV = channel.unary_stream(
                 '/microserving.v1.KVTransfer/WriteKV',
                 request_serializer=microserving_dot_v1_dot_engine__pb2.WriteKVRequest.SerializeToString,
@@ -392,6 +397,24 @@ class KVTransferServicer:
         receiver writes them into the slots its PrepRecv reserved. FAILED_PRECONDITION when the
         layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
         expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PushKVStream(self, request_iterator, context):
+        """Many pushes over one long-lived stream (what a sender keeps open to a receiver whose
+        kv_addr_info offers `push_stream`, for pushes whose chunks went through the receiver's
+        shared-memory stage and so carry windows only): a push costs a few entries on a stream
+        the sender already has, not a call. Each entry names its push by a sender-chosen
+        `push_id`, unique on the stream; a push's entries are its header, its chunks and `end`,
+        in that order, exactly as PushKV's messages, with the same checks. The receiver answers
+        each push with one result: `done` after its `end`, or `error` (with PushKV's status code)
+        as soon as it fails; entries of a push that has ended are dropped. `cancel` ends a push
+        as a PushKV call that breaks off would (the reservation is aborted; no result). What the
+        writer queued meanwhile goes out in one message, on both sides. When the stream breaks
+        or is cancelled, every push open on it breaks off; when the sender half-closes, the
+        stream ends once every push on it has ended.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -445,6 +468,11 @@ def add_KVTransferServicer_to_server(servicer, server):
                     request_deserializer=microserving_dot_v1_dot_engine__pb2.PushKVRequest.FromString,
                     response_serializer=microserving_dot_v1_dot_engine__pb2.PushKVResponse.SerializeToString,
             ),
+            'PushKVStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.PushKVStream,
+                    request_deserializer=microserving_dot_v1_dot_engine__pb2.PushKVStreamRequest.FromString,
+                    response_serializer=microserving_dot_v1_dot_engine__pb2.PushKVStreamResponse.SerializeToString,
+            ),
             'WriteKV': grpc.unary_stream_rpc_method_handler(
                     servicer.WriteKV,
                     request_deserializer=microserving_dot_v1_dot_engine__pb2.WriteKVRequest.FromString,
@@ -490,6 +518,33 @@ class KVTransfer:
             '/microserving.v1.KVTransfer/PushKV',
             microserving_dot_v1_dot_engine__pb2.PushKVRequest.SerializeToString,
             microserving_dot_v1_dot_engine__pb2.PushKVResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PushKVStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/microserving.v1.KVTransfer/PushKVStream',
+            microserving_dot_v1_dot_engine__pb2.PushKVStreamRequest.SerializeToString,
+            microserving_dot_v1_dot_engine__pb2.PushKVStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

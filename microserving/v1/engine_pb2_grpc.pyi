@@ -240,6 +240,20 @@ class KVTransferStub:
     layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
     expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
     """
+    PushKVStream: _grpc.StreamStreamMultiCallable[_engine_pb2.PushKVStreamRequest, _engine_pb2.PushKVStreamResponse]
+    """Many pushes over one long-lived stream (what a sender keeps open to a receiver whose
+    kv_addr_info offers `push_stream`, for pushes whose chunks went through the receiver's
+    shared-memory stage and so carry windows only): a push costs a few entries on a stream
+    the sender already has, not a call. Each entry names its push by a sender-chosen
+    `push_id`, unique on the stream; a push's entries are its header, its chunks and `end`,
+    in that order, exactly as PushKV's messages, with the same checks. The receiver answers
+    each push with one result: `done` after its `end`, or `error` (with PushKV's status code)
+    as soon as it fails; entries of a push that has ended are dropped. `cancel` ends a push
+    as a PushKV call that breaks off would (the reservation is aborted; no result). What the
+    writer queued meanwhile goes out in one message, on both sides. When the stream breaks
+    or is cancelled, every push open on it breaks off; when the sender half-closes, the
+    stream ends once every push on it has ended.
+    """
     WriteKV: _grpc.UnaryStreamMultiCallable[_engine_pb2.WriteKVRequest, _engine_pb2.WriteKVResponse]
     """The handshake of a one-sided write (NIXL): the sender itself writes the KV into the
     reserved slots the receiver described in its kv_addr_info. The request claims the
@@ -282,6 +296,20 @@ class KVTransferAsyncStub(KVTransferStub):
     receiver writes them into the slots its PrepRecv reserved. FAILED_PRECONDITION when the
     layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
     expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
+    """
+    PushKVStream: _aio.StreamStreamMultiCallable[_engine_pb2.PushKVStreamRequest, _engine_pb2.PushKVStreamResponse]  # type: ignore[assignment]
+    """Many pushes over one long-lived stream (what a sender keeps open to a receiver whose
+    kv_addr_info offers `push_stream`, for pushes whose chunks went through the receiver's
+    shared-memory stage and so carry windows only): a push costs a few entries on a stream
+    the sender already has, not a call. Each entry names its push by a sender-chosen
+    `push_id`, unique on the stream; a push's entries are its header, its chunks and `end`,
+    in that order, exactly as PushKV's messages, with the same checks. The receiver answers
+    each push with one result: `done` after its `end`, or `error` (with PushKV's status code)
+    as soon as it fails; entries of a push that has ended are dropped. `cancel` ends a push
+    as a PushKV call that breaks off would (the reservation is aborted; no result). What the
+    writer queued meanwhile goes out in one message, on both sides. When the stream breaks
+    or is cancelled, every push open on it breaks off; when the sender half-closes, the
+    stream ends once every push on it has ended.
     """
     WriteKV: _aio.UnaryStreamMultiCallable[_engine_pb2.WriteKVRequest, _engine_pb2.WriteKVResponse]  # type: ignore[assignment]
     """The handshake of a one-sided write (NIXL): the sender itself writes the KV into the
@@ -328,6 +356,26 @@ class KVTransferServicer(metaclass=_abc_1.ABCMeta):
         receiver writes them into the slots its PrepRecv reserved. FAILED_PRECONDITION when the
         layout differs from the receiver's; NOT_FOUND when the reservation is gone (aborted or
         expired); INVALID_ARGUMENT when a chunk falls outside the reserved window.
+        """
+
+    @_abc_1.abstractmethod
+    def PushKVStream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_engine_pb2.PushKVStreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_engine_pb2.PushKVStreamResponse], _abc.AsyncIterator[_engine_pb2.PushKVStreamResponse]]:
+        """Many pushes over one long-lived stream (what a sender keeps open to a receiver whose
+        kv_addr_info offers `push_stream`, for pushes whose chunks went through the receiver's
+        shared-memory stage and so carry windows only): a push costs a few entries on a stream
+        the sender already has, not a call. Each entry names its push by a sender-chosen
+        `push_id`, unique on the stream; a push's entries are its header, its chunks and `end`,
+        in that order, exactly as PushKV's messages, with the same checks. The receiver answers
+        each push with one result: `done` after its `end`, or `error` (with PushKV's status code)
+        as soon as it fails; entries of a push that has ended are dropped. `cancel` ends a push
+        as a PushKV call that breaks off would (the reservation is aborted; no result). What the
+        writer queued meanwhile goes out in one message, on both sides. When the stream breaks
+        or is cancelled, every push open on it breaks off; when the sender half-closes, the
+        stream ends once every push on it has ended.
         """
 
     @_abc_1.abstractmethod

@@ -256,6 +256,7 @@ class EmbeddedBackend:
             layout=layout,
             shm=ticket.staging.offer(self._host) if ticket.staging and self._host else None,
             nixl=self._nixl.offer() if self._nixl is not None and num_kv_bytes else None,
+            push_stream=self._settings.kv_push_stream,
         )
         if addr.nixl is not None:
             ticket.write_digest = addr.write_digest()
@@ -373,6 +374,7 @@ class EmbeddedBackend:
             is_staged=stage is not None,
             timeout_s=self._settings.kv_push_timeout_s,
             stall_timeout_s=self._settings.kv_push_stall_timeout_s,
+            streamed=addr.push_stream and self._settings.kv_push_stream,
         )
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",

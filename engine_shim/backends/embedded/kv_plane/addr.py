@@ -1,7 +1,8 @@
 """The embedded backend's `kv_addr_info`: self-describing JSON bytes that tell a sender where
 to push KV (the receiver's data-plane address), which reservation it fills (request id and a
 random token), which slots (MLC-style segments), what KV layout the receiver expects and,
-when it can take the KV through shared memory, which segment (shm.py), and
+when it can take the KV through shared memory, which segment (shm.py) and whether such a
+push may come on a long-lived stream (push_stream.py), and
 when a transfer engine may write its pool directly, the agent and pool regions to write
 (nixl.py) and, for a sender on the same GPU, the pool's CUDA IPC mapping (pool_ipc.py).
 Opaque to the router, which passes it through unchanged."""
@@ -103,6 +104,8 @@ class KVAddrInfo:
     shm: ShmOffer | None = None
     # Set when a sender may write the reserved slots itself through NIXL.
     nixl: NixlOffer | None = None
+    # The receiver takes a push through its stage on a PushKVStream (push_stream.py).
+    push_stream: bool = False
 
     def encode(self) -> bytes:
         body: dict[str, Any] = {"version": FORMAT_VERSION, **asdict(self)}
@@ -110,6 +113,8 @@ class KVAddrInfo:
         for optional in ("shm", "nixl"):
             if body[optional] is None:
                 del body[optional]
+        if not self.push_stream:  # what a receiver without the stream wrote
+            del body["push_stream"]
         return json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
 
     def write_digest(self) -> str:
@@ -140,6 +145,7 @@ class KVAddrInfo:
                 layout=KVLayout(**body["layout"]),
                 shm=ShmOffer.from_json(body["shm"]) if body.get("shm") is not None else None,
                 nixl=NixlOffer.from_json(body["nixl"]) if body.get("nixl") is not None else None,
+                push_stream=body.get("push_stream") is True,
             )
         except InvalidRequestError:
             raise

@@ -1,7 +1,8 @@
 """The receiving side of the KV data plane: the KVTransfer servicer that checks a push's
 layout and window against its reservation (reservations.py) and writes its chunks into the
 engine, from the message bytes or, for a chunk that carries none, from the reservation's
-shared-memory stage. A push that breaks off aborts its reservation."""
+shared-memory stage. A push that breaks off aborts its reservation. A push comes as a PushKV
+call of its own or on a sender's PushKVStream (push_stream.py); both run `serve_push`."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from engine_shim.backends.embedded.kv_plane.codec import (
 )
 from engine_shim.backends.embedded.kv_plane.hold import serve_hold
 from engine_shim.backends.embedded.kv_plane.nixl_receiver import KVWriteSink, receive_write
+from engine_shim.backends.embedded.kv_plane.push_stream import ChunkFields, StreamedPushes
 from engine_shim.backends.embedded.kv_plane.reservations import ReceiveTable, Ticket
 from engine_shim.backends.embedded.kv_plane.shm import staged_slice
 from engine_shim.convert import layout_from_pb
@@ -55,7 +57,7 @@ def _parse_request(raw: bytes) -> engine_pb2.PushKVRequest:
         raise InvalidRequestError("a PushKV message is not a valid PushKVRequest") from None
 
 
-def _chunk_fields(raw: bytes) -> tuple[int, int, bytes | memoryview]:
+def _chunk_fields(raw: bytes) -> ChunkFields:
     """(begin, num_tokens, data) of a chunk message: by the copy-free decoder, or, for any
     encoding it leaves alone, by the protobuf runtime."""
     fields = decode_chunk_request(raw)
@@ -82,6 +84,8 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         self._sink = sink
         self._nixl = nixl  # this shim's NIXL agent, if it has one
         self._on_hold = on_hold
+        self._streams: set[StreamedPushes] = set()  # the PushKVStreams being served
+        self._is_draining = False
 
     async def _hold(self, request_id: str, is_held: bool) -> None:
         await self._sink.hold_reservation(request_id, is_held)
@@ -112,8 +116,13 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
             request_deserializer=engine_pb2.AbandonKVWriteRequest.FromString,
             response_serializer=engine_pb2.AbandonKVWriteResponse.SerializeToString,
         )
-        handlers = {"PushKV": handler, "WriteKV": write_handler, "HoldKV": hold_handler,
-                    "AbandonKVWrite": abandon_handler}
+        stream_handler = grpc.stream_stream_rpc_method_handler(
+            self.PushKVStream,
+            request_deserializer=engine_pb2.PushKVStreamRequest.FromString,
+            response_serializer=engine_pb2.PushKVStreamResponse.SerializeToString,
+        )
+        handlers = {"PushKV": handler, "PushKVStream": stream_handler, "WriteKV": write_handler,
+                    "HoldKV": hold_handler, "AbandonKVWrite": abandon_handler}
         server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(KV_TRANSFER_SERVICE, handlers),)
         )
@@ -151,14 +160,45 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         first = None if raw_first is None else _parse_request(raw_first)
         if first is None or first.WhichOneof("payload") != "header":
             raise InvalidRequestError("a PushKV stream must start with its header")
-        header = first.header
+        return await self.serve_push(first.header, (_chunk_fields(raw) async for raw in messages))
+
+    async def PushKVStream(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[engine_pb2.PushKVStreamRequest],
+        context: aio.ServicerContext,
+    ) -> AsyncIterator[engine_pb2.PushKVStreamResponse]:
+        # Each push's errors travel in its result (push_stream.py): nothing here to map.
+        pushes = StreamedPushes(self.serve_push)
+        if self._is_draining:
+            pushes.drain()
+        self._streams.add(pushes)
+        try:
+            async for message in pushes.serve(request_iterator):
+                yield message
+        finally:
+            self._streams.discard(pushes)
+
+    def drain(self) -> None:
+        """Shutting down: each PushKVStream refuses new pushes and ends once its open ones
+        have (its sender opens a new stream, on another receiver or on this one restarted)."""
+        self._is_draining = True
+        for pushes in self._streams:
+            pushes.drain()
+
+    async def serve_push(
+        self, header: engine_pb2.KVPushHeader, chunks: AsyncIterator[ChunkFields]
+    ) -> engine_pb2.PushKVResponse:
+        """One push, a PushKV call's or a PushKVStream's: checks its header against the
+        reservation, writes its chunks into the engine in order and answers what was
+        written. A push that breaks off (cancelled, invalid, its chunks ending short) aborts
+        the reservation."""
         check_layout(layout_from_pb(header.layout), self._sink.kv_layout)
         ticket = self._table.claim(header.request_id, header.reservation_token)
         try:
             # The sender opens the push before it computes the KV: from here the reservation
             # lives as long as the push, however long the sender's queue.
             await self._hold(header.request_id, True)
-            num_bytes = await self._receive(header.request_id, ticket, messages)
+            num_bytes = await self._receive(header.request_id, ticket, chunks)
             try:
                 await self._hold(header.request_id, False)
             except NotFoundError:
@@ -177,17 +217,17 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         )
 
     async def _receive(
-        self, request_id: str, ticket: Ticket, messages: AsyncIterator[bytes]
+        self, request_id: str, ticket: Ticket, chunks: AsyncIterator[ChunkFields]
     ) -> int:
         position, num_bytes = ticket.begin, 0
-        # One import in flight while the next message is read: the engine thread writes
+        # One import in flight while the next chunk is read: the engine thread writes
         # chunk i into the pool while gRPC delivers chunk i+1 (the engine runs commands in
         # order, so chunks land in order).
         importing: asyncio.Future[None] | None = None
         try:
-            async for raw in messages:
+            async for fields in chunks:
                 position, num_bytes, importing = await self._accept(
-                    request_id, ticket, raw, position, num_bytes, importing
+                    request_id, ticket, fields, position, num_bytes, importing
                 )
             if importing is not None:
                 await importing
@@ -200,11 +240,11 @@ class KVTransferServicer(engine_pb2_grpc.KVTransferServicer):
         return num_bytes
 
     async def _accept(
-        self, request_id: str, ticket: Ticket, raw: bytes,
+        self, request_id: str, ticket: Ticket, fields: ChunkFields,
         position: int, num_bytes: int, importing: asyncio.Future[None] | None,
     ) -> tuple[int, int, asyncio.Future[None]]:
-        """Check one message, wait for the previous import, start this one's."""
-        begin, num_tokens, data = _chunk_fields(raw)
+        """Check one chunk, wait for the previous import, start this one's."""
+        begin, num_tokens, data = fields
         if begin != position or begin + num_tokens > ticket.end:
             raise InvalidRequestError(
                 f"chunk [{begin}, {begin + num_tokens}) does not continue "

@@ -1,7 +1,8 @@
 """The sending side of the KV data plane: pooled channels to peer shims (built with
 microserving.transport, so TLS and the token apply) and the PushKV client stream, which
 carries the KV bytes or, when they went through the receiver's shared-memory stage, only
-each chunk's window."""
+each chunk's window; such a staged push goes on the peer's PushKVStream instead where the
+receiver offers one (push_stream.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc import aio
@@ -21,6 +23,7 @@ from engine_shim.backends.embedded.kv_plane.codec import (
     encode_chunk_request,
     split_chunk,
 )
+from engine_shim.backends.embedded.kv_plane.push_stream import PushStream, PushStreamError
 from engine_shim.convert import layout_to_pb
 from engine_shim.engine.api import (
     EngineError,
@@ -60,12 +63,13 @@ def _pass_through(message: bytes) -> bytes:
 
 @dataclass
 class _Peer:
-    """A peer's channel, its PushKV callable (pre-encoded bytes out) and the generated
-    KVTransfer stub for the rest (made on first use)."""
+    """A peer's channel, its PushKV callable (pre-encoded bytes out), its PushKVStream and
+    the generated KVTransfer stub for the rest (made on first use)."""
 
     channel: aio.Channel
     push: aio.StreamUnaryMultiCallable
     kv: engine_pb2_grpc.KVTransferStub | None = None
+    stream: PushStream | None = None
 
 
 class PeerChannels:
@@ -104,6 +108,13 @@ class PeerChannels:
     def stub(self, address: str) -> aio.StreamUnaryMultiCallable:
         return self._peer(address).push
 
+    def push_stream(self, address: str) -> PushStream:
+        """The peer's PushKVStream (push_stream.py), for pushes through its stage."""
+        peer = self._peer(address)
+        if peer.stream is None:
+            peer.stream = PushStream(peer.channel)
+        return peer.stream
+
     def _kv(self, address: str) -> engine_pb2_grpc.KVTransferStub:
         peer = self._peer(address)
         if peer.kv is None:
@@ -124,6 +135,8 @@ class PeerChannels:
 
     async def close(self) -> None:
         for peer in self._peers.values():
+            if peer.stream is not None:
+                await peer.stream.close()
             await peer.channel.close()
         self._peers.clear()
         await asyncio.gather(*self._closing, return_exceptions=True)
@@ -142,6 +155,12 @@ class _Progress:
     def owed(self, message: bytes) -> bytes:
         self.receiver_owes_since = time.monotonic()
         return message
+
+    def owes(self) -> None:
+        self.receiver_owes_since = time.monotonic()
+
+    def paid(self) -> None:
+        self.receiver_owes_since = None
 
 
 async def _messages(
@@ -188,13 +207,18 @@ async def push_kv(
     is_staged: bool = False,
     timeout_s: float | None = None,
     stall_timeout_s: float | None = None,
+    streamed: bool = False,
 ) -> tuple[int, int]:
     """Stream `chunks` into the reservation `addr` names; returns (tokens, bytes) written.
     `is_staged`: the chunks were exported into the receiver's shared-memory stage, so their
     messages carry windows only (shm.py). `timeout_s` bounds the whole push, the engine's
     queue included; `stall_timeout_s` the receiver's part alone: a receiver that takes no
     message (or, after the last, gives no answer) for that long, one stopped or hung, ends the
-    push with ReceiverUnavailableError, where it would otherwise hold it until `timeout_s`."""
+    push with ReceiverUnavailableError, where it would otherwise hold it until `timeout_s`.
+    `streamed`: a staged push goes on the peer's PushKVStream (which its kv_addr_info
+    offered) instead of a PushKV call of its own."""
+    if streamed and is_staged:
+        return await _push_streamed(peers, addr, chunks, timeout_s, stall_timeout_s)
     progress = _Progress()
     stub = peers.stub(addr.address)
     messages = _messages(addr, chunks, max_payload_bytes, is_staged, progress)
@@ -229,7 +253,55 @@ async def push_kv(
     return response.num_tokens_written, response.num_bytes_written
 
 
-async def _watch_receiver(call: aio.StreamUnaryCall, progress: _Progress, stall_s: float) -> bool:
+async def _push_streamed(
+    peers: PeerChannels,
+    addr: KVAddrInfo,
+    chunks: AsyncIterator[KVChunk],
+    timeout_s: float | None,
+    stall_timeout_s: float | None,
+) -> tuple[int, int]:
+    """push_kv's staged push on the peer's PushKVStream, with the same bounds and errors."""
+    progress = _Progress()
+    header = engine_pb2.KVPushHeader(
+        request_id=addr.request_id,
+        reservation_token=addr.reservation_token,
+        layout=layout_to_pb(addr.layout),
+    )
+    body = asyncio.ensure_future(
+        peers.push_stream(addr.address).push(header, chunks, progress.owes, progress.paid))
+    watch = None if stall_timeout_s is None else \
+        asyncio.ensure_future(_watch_receiver(body, progress, stall_timeout_s))
+    try:
+        async with asyncio.timeout(timeout_s):
+            response = await body
+    except asyncio.CancelledError:
+        # The watch cancelled the push (a stall); one that reaches this task from outside
+        # stays a cancellation.
+        stalled = watch is not None and watch.done() and not watch.cancelled() and watch.result()
+        task = asyncio.current_task()
+        if not stalled or (task is not None and task.cancelling()):
+            raise
+        raise ReceiverUnavailableError(
+            f"KV push to {addr.address} failed: the receiver took nothing for "
+            f"{stall_timeout_s:g} s") from None
+    except TimeoutError:
+        raise ReceiverUnavailableError(
+            f"KV push to {addr.address} failed: not done within {timeout_s:g} s") from None
+    except PushStreamError as error:
+        error_type = PEER_ERRORS.get(error.code, ReceiverUnavailableError)
+        raise error_type(f"KV push to {addr.address} failed: {error.details}") from None
+    except aio.AioRpcError as error:  # the stream broke
+        raise ReceiverUnavailableError(f"KV push to {addr.address} failed: {error.details()}") from None
+    finally:
+        if watch is not None:
+            watch.cancel()
+        await _close(chunks)
+    return response.num_tokens_written, response.num_bytes_written
+
+
+async def _watch_receiver(
+    call: aio.StreamUnaryCall | asyncio.Future[Any], progress: _Progress, stall_s: float,
+) -> bool:
     """Cancels `call` once its receiver has owed it for `stall_s`; True if it did. Checks a
     few times a stall's length (one timer a push, not one per message)."""
     interval_s = max(0.05, stall_s / 4)
