@@ -7,6 +7,7 @@ them as it found them (free pages back at baseline)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import sys
 import time
@@ -16,6 +17,10 @@ from pathlib import Path
 import pytest
 from grpc import aio
 
+from engine_shim.backends.embedded.kv_plane.addr import ShmOffer
+from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, staged_chunk
+from engine_shim.backends.embedded.kv_plane.shm import SegmentMaps, host_identity
+from engine_shim.engine.api import KVLayout
 from microserving.stack.process import ServiceProcess
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import common_pb2, engine_pb2, engine_pb2_grpc
@@ -243,3 +248,28 @@ async def streamed_tokens(call, request_id: str) -> list[int]:
             ids.extend(choice.token_ids)
         if output.HasField("usage"):
             return ids
+
+
+# The receiver's side of a staged push, with the test as the sender.
+async def reserve(stub: engine_pb2_grpc.EngineAsyncStub, request_id: str,
+                  tokens: list[int]) -> tuple[int, dict]:
+    """PrepRecv for the whole prompt: (its end, the decoded kv_addr_info)."""
+    prep = await stub.PrepRecv(
+        engine_pb2.PrepRecvRequest(
+            request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
+        )
+    )
+    return prep.end, json.loads(prep.kv_addr_info)
+
+
+def stage_ones(info: dict, num_tokens: int) -> None:
+    """Write KV of ones for the window's first `num_tokens` into the offered stage, the way a
+    sender would (through the shim's own SegmentMaps and staged_chunk)."""
+    host = host_identity()
+    assert host is not None
+    maps = SegmentMaps(host)
+    layout = KVLayout(**info["layout"])
+    stage = maps.open(ShmOffer.from_json(info["shm"]), num_tokens * bytes_per_token(layout))
+    assert stage is not None
+    staged_chunk(stage, info["begin"], info["begin"], num_tokens, layout).fill_(1.0)
+    maps.close()

@@ -132,7 +132,8 @@ async def test_a_send_made_before_its_receiver_is_known_matches_one_engine(reque
             assert await asyncio.wait_for(call.read(), 30) is grpc.aio.EOF
         assert await wait_for_free_pages(p_stub, p_baseline, within_s=2.0) == p_baseline
         assert await wait_for_free_pages(d_stub, d_baseline, within_s=2.0) == d_baseline
-    path = "nixl" if layout.startswith("nixl") else layout
+    # A staged push goes on the receiver's PushKVStream.
+    path = "nixl" if layout.startswith("nixl") else "shm-stream" if layout == "shm" else layout
     assert await logged_path(prefill, f"ahead-{layout}") == path
     assert await logged_path(prefill, f"ahead-{layout}-2") == path
     # The reference after the flow, so P's send computed the prompt rather than found it cached.

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.e2e
 NIXL, _ = load_nixl()
 _ENGINE_TID = re.compile(r"engine thread native id (\d+)")
 # Sender transport setting -> the path its RemoteSend takes to a receiver that offers all.
-_PATHS = {"auto": "nixl" if NIXL is not None else "shm", "shm": "shm", "grpc": "grpc"}
+# (A push through the receiver's stage goes on its PushKVStream: shm-stream.)
+_PATHS = {"auto": "nixl" if NIXL is not None else "shm-stream", "shm": "shm-stream", "grpc": "grpc"}
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,6 @@
-"""A gRPC KV push (the fallback where neither NIXL nor the shared-memory stage serves a peer)
-to a receiver that stops taking it: the sender ends the RemoteSend with UNAVAILABLE naming the
+"""A KV push over gRPC (the fallback where neither NIXL nor the shared-memory stage serves a
+peer, and a push through the stage, whose windows go on the receiver's PushKVStream) to a
+receiver that stops taking it: the sender ends the RemoteSend with UNAVAILABLE naming the
 receiver within its stall bound (--kv-push-stall-timeout-s), as a NIXL write does within
 --kv-write-timeout-s, rather than holding it until the push's whole deadline (300 s, queueing
 included) or the caller's; its pages come back. The receiver is a real shim stopped with
@@ -36,13 +37,17 @@ STALL_S = 1.0
 CALLER_DEADLINE_S = 20.0
 
 
-@pytest.fixture(scope="module")
-def grpc_shims(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
-    tmp_path = tmp_path_factory.mktemp("push-stall")
+@pytest.fixture(scope="module", params=["grpc", "shm"])
+def grpc_shims(request: pytest.FixtureRequest,
+               tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ShimProcess]]:
+    """P and D on the gRPC KV path, or on the shared-memory stage (the push's windows on D's
+    PushKVStream)."""
+    transport = request.param
+    tmp_path = tmp_path_factory.mktemp(f"push-stall-{transport}")
     shims = {
-        "prefill": start_shim(tmp_path, "stall-p", "--role", "prefill", "--kv-transport", "grpc",
+        "prefill": start_shim(tmp_path, "stall-p", "--role", "prefill", "--kv-transport", transport,
                               "--kv-push-stall-timeout-s", str(STALL_S)),
-        "decode": start_shim(tmp_path, "stall-d", "--role", "decode", "--kv-transport", "grpc"),
+        "decode": start_shim(tmp_path, "stall-d", "--role", "decode", "--kv-transport", transport),
     }
     yield shims
     decode = shims["decode"].process
@@ -62,7 +67,8 @@ async def test_a_push_to_a_stopped_receiver_ends_unavailable_within_its_stall_bo
         tokens = [t + 140 for t in PROMPT]
         prep = await d_stub.PrepRecv(engine_pb2.PrepRecvRequest(
             request_id="stalled-push", token_ids=tokens, end=-1, sampling=greedy()))
-        assert b'"shm"' not in prep.kv_addr_info and b'"nixl"' not in prep.kv_addr_info
+        assert b'"nixl"' not in prep.kv_addr_info
+        assert (b'"shm"' in prep.kv_addr_info) == ("shm" in p.log_path.parent.name)
         os.kill(d.process.pid, signal.SIGSTOP)
         started = time.monotonic()
         try:

@@ -1,5 +1,5 @@
 """The same-host shared-memory KV path between two real shim processes: PD carries the tokens
-exactly through it (P logs path=shm; P runs with --kv-transport shm, since the default
+exactly through it (P logs path=shm-stream: the push went on the receiver's PushKVStream; P runs with --kv-transport shm, since the default
 prefers NIXL where it loads), either side with --kv-shm false falls back to the gRPC stream, the receiver still refuses a mismatched layout before staged KV lands in its pool, a
 push that breaks off frees its pages and retires its segment, and segments are memfds that
 leave no name in /dev/shm, before or after their shim stops."""
@@ -21,21 +21,18 @@ from shim_helpers import (
     free_pages,
     generate,
     generate_alone,
-    greedy,
     pd_flow,
+    reserve,
+    stage_ones,
     start_shim,
     wait_for_free_pages,
 )
 
-from engine_shim.backends.embedded.kv_plane.addr import ShmOffer
-from engine_shim.backends.embedded.kv_plane.codec import bytes_per_token, staged_chunk
 from engine_shim.backends.embedded.kv_plane.shm import (
     RETIRED_CHECK_S,
-    SegmentMaps,
     host_identity,
     stage_fds,
 )
-from engine_shim.engine.api import KVLayout
 from microserving.transport import TransportSettings, create_channel
 from microserving.v1 import engine_pb2, engine_pb2_grpc
 
@@ -87,7 +84,7 @@ async def test_pd_through_shared_memory_matches_single_shim(shm_prefill_shim, de
     assert info["shm"]["host"] == host_identity()
     assert info["shm"]["pid"] == decode_shim.process.pid
     assert info["shm"]["fd"] in stage_fds(decode_shim.process.pid)
-    assert await _logged_path(shm_prefill_shim, "shm-pd") == "shm"
+    assert await _logged_path(shm_prefill_shim, "shm-pd") == "shm-stream"
     assert len(expected) == 16 and ids == expected
 
 
@@ -112,28 +109,6 @@ async def test_a_receiver_with_shared_memory_off_offers_none_and_gets_grpc(
 
 
 # ---- the receiver's guarantees, with the test as the sender ----
-
-
-async def _reserve(stub, request_id: str, tokens: list[int]) -> tuple[int, dict]:
-    prep = await stub.PrepRecv(
-        engine_pb2.PrepRecvRequest(
-            request_id=request_id, token_ids=tokens, end=-1, sampling=greedy()
-        )
-    )
-    return prep.end, json.loads(prep.kv_addr_info)
-
-
-def _stage_ones(info: dict, num_tokens: int) -> None:
-    """Write KV of ones for the window's first `num_tokens` into the offered stage, the way a
-    sender would (through the shim's own SegmentMaps and staged_chunk)."""
-    host = host_identity()
-    assert host is not None
-    maps = SegmentMaps(host)
-    layout = KVLayout(**info["layout"])
-    stage = maps.open(ShmOffer.from_json(info["shm"]), num_tokens * bytes_per_token(layout))
-    assert stage is not None
-    staged_chunk(stage, info["begin"], info["begin"], num_tokens, layout).fill_(1.0)
-    maps.close()
 
 
 def _header(info: dict, **layout_changes: object) -> engine_pb2.PushKVRequest:
@@ -163,8 +138,8 @@ async def test_a_mismatched_layout_is_refused_before_staged_kv_lands(decode_shim
     channel, stub = engine_stub(decode_shim.address)
     async with channel:
         tokens = [t + 123 for t in PROMPT]
-        end, info = await _reserve(stub, "shm-mismatch", tokens)
-        _stage_ones(info, end)
+        end, info = await reserve(stub, "shm-mismatch", tokens)
+        stage_ones(info, end)
         try:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _push(
@@ -185,7 +160,7 @@ async def test_a_windowless_chunk_without_a_stage_is_invalid(shm_off_shim):
     channel, stub = engine_stub(shm_off_shim.address)
     async with channel:
         baseline = await free_pages(stub)
-        end, info = await _reserve(stub, "no-stage", [t + 124 for t in PROMPT])
+        end, info = await reserve(stub, "no-stage", [t + 124 for t in PROMPT])
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await _push(shm_off_shim.address, [_header(info), _windowless_chunk(0, end)])
         assert await wait_for_free_pages(stub, baseline) == baseline
@@ -198,8 +173,8 @@ async def test_a_shared_memory_push_that_breaks_off_frees_pages_and_retires_its_
     channel, stub = engine_stub(decode_shim.address)
     async with channel:
         baseline = await free_pages(stub)
-        _, info = await _reserve(stub, "shm-broken", [t + 125 for t in PROMPT])
-        _stage_ones(info, 16)
+        _, info = await reserve(stub, "shm-broken", [t + 125 for t in PROMPT])
+        stage_ones(info, 16)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await _push(decode_shim.address, [_header(info), _windowless_chunk(0, 16)])
         assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # ended short
@@ -228,7 +203,7 @@ async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
     receiver = start_shim(tmp_path, "receiver")
     try:
         _, info = await _pd(shm_prefill_shim, receiver, "lifetime-pd", [t + 126 for t in PROMPT])
-        assert await _logged_path(shm_prefill_shim, "lifetime-pd") == "shm"
+        assert await _logged_path(shm_prefill_shim, "lifetime-pd") == "shm-stream"
         stage = os.stat(f"/proc/{receiver.process.pid}/fd/{info['shm']['fd']}").st_ino
         assert stage in _stage_inodes(shm_prefill_shim.process.pid)  # P keeps it mapped for reuse
         assert _names_in_dev_shm() == before  # memfds: nothing named that could leak
@@ -238,6 +213,6 @@ async def test_stages_leave_no_name_in_dev_shm_and_no_mapping_past_their_shim(
     # its periodic look for closed segments is due.
     await asyncio.sleep(RETIRED_CHECK_S * 1.1)
     await _pd(shm_prefill_shim, decode_shim, "after-lifetime", [t + 127 for t in PROMPT])
-    assert await _logged_path(shm_prefill_shim, "after-lifetime") == "shm"
+    assert await _logged_path(shm_prefill_shim, "after-lifetime") == "shm-stream"
     assert stage not in _stage_inodes(shm_prefill_shim.process.pid)
     assert _names_in_dev_shm() == before

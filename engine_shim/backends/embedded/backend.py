@@ -366,6 +366,7 @@ class EmbeddedBackend:
         self, request_id: str, addr: KVAddrInfo, chunks: AsyncIterator[KVChunk],
         stage: torch.Tensor | None, started: float,
     ) -> SendResult:
+        streamed = stage is not None and addr.push_stream and self._settings.kv_push_stream
         num_tokens, num_bytes = await push_kv(
             self._peers,
             addr,
@@ -374,12 +375,12 @@ class EmbeddedBackend:
             is_staged=stage is not None,
             timeout_s=self._settings.kv_push_timeout_s,
             stall_timeout_s=self._settings.kv_push_stall_timeout_s,
-            streamed=addr.push_stream and self._settings.kv_push_stream,
+            streamed=streamed,
         )
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",
-            request_id, num_tokens, num_bytes, addr.address,
-            (time.perf_counter() - started) * 1e3, "shm" if stage is not None else "grpc",
+            request_id, num_tokens, num_bytes, addr.address, (time.perf_counter() - started) * 1e3,
+            "shm-stream" if streamed else "shm" if stage is not None else "grpc",
         )
         return SendResult(num_tokens, num_bytes, 0)
 

@@ -50,7 +50,11 @@ class _Ended:
     """Marks the end of a push's chunks (its `end`, or the sender half-closing)."""
 
 
-_END = _Ended()
+class _GivenUp(Exception):
+    """The push was broken off before its task began: it aborts what it claimed."""
+
+
+_END, _GIVEN_UP = _Ended(), _Ended()
 
 
 class _OpenPush:
@@ -59,10 +63,20 @@ class _OpenPush:
     def __init__(self) -> None:
         self.entries: asyncio.Queue[engine_pb2.KVChunkData | _Ended] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
+        self.has_begun = False
 
     async def chunks(self) -> AsyncIterator[ChunkFields]:
         while not isinstance(entry := await self.entries.get(), _Ended):
             yield entry.begin, entry.num_tokens, entry.data
+        if entry is _GIVEN_UP:
+            raise _GivenUp
+
+    def break_off(self) -> None:
+        """Ends the push; the reservation it claimed is aborted. A task cancelled before it
+        began would never run, and never abort: that one runs and meets _GIVEN_UP instead."""
+        self.entries.put_nowait(_GIVEN_UP)
+        if self.has_begun and self.task is not None:
+            self.task.cancel()
 
 
 class StreamedPushes:
@@ -92,8 +106,8 @@ class StreamedPushes:
             # The sender went away or the stream broke: every open push breaks off.
             reader.cancel()
             tasks = [push.task for push in self._pushes.values() if push.task is not None]
-            for task in tasks:
-                task.cancel()
+            for push in self._pushes.values():
+                push.break_off()
             await asyncio.gather(reader, *tasks, return_exceptions=True)
 
     async def _read(self, requests: AsyncIterator[engine_pb2.PushKVStreamRequest]) -> None:
@@ -141,14 +155,16 @@ class StreamedPushes:
     def _end(self, push_id: int, push: _OpenPush) -> None:
         """Breaks `push` off (its task aborts the reservation); it answers nothing more."""
         del self._pushes[push_id]
-        if push.task is not None:
-            push.task.cancel()
+        push.break_off()
 
     async def _run(self, push_id: int, push: _OpenPush, header: engine_pb2.KVPushHeader) -> None:
+        push.has_begun = True
         try:
             done = await self._serve(header, push.chunks())
         except asyncio.CancelledError:
             raise
+        except _GivenUp:
+            pass  # broken off before it began: serve aborted what it had claimed
         except EngineError as error:
             if self._pushes.get(push_id) is push:
                 self._fail(push_id, status_code_for(error), str(error) or type(error).__name__)
