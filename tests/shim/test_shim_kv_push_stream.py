@@ -5,7 +5,8 @@ gets a PushKV call per push; and the receiver's guarantees with the test as the 
 raw stream: a push refused, one whose id is taken, one with an empty entry and one given up
 (`cancel`) each end alone with their reservations aborted, entries of unknown pushes are
 dropped, a good push lands its KV, the stream ends when the sender half-closes after its
-pushes, and a stream that breaks aborts the push open on it."""
+pushes, and a stream that breaks aborts the push open on it. A receiver killed and started
+again on its address gets P's next push on a new stream."""
 
 from __future__ import annotations
 
@@ -196,3 +197,28 @@ async def test_a_stream_that_breaks_aborts_its_open_push(stream_shims):
         assert await wait_for_free_pages(stub, baseline, within_s=5) == baseline
         status = await stub.GetStatus(engine_pb2.GetStatusRequest())
     assert status.num_reserved_requests == 0
+
+
+async def test_a_receiver_restarted_on_its_address_gets_pushes_on_a_new_stream(
+    stream_shims, tmp_path
+):
+    """P's stream to D dies with D; D killed and started again on the same port: P's next push
+    to it goes on a new stream (not the dead one), token-exact."""
+    p = stream_shims["prefill"]
+    d = start_shim(tmp_path, "restart-d", "--role", "decode")
+    try:
+        port = d.address.rsplit(":", 1)[1]
+        tokens = [t + 158 for t in PROMPT]
+        expected = await generate_alone(p.address, "restart-alone", tokens)
+        first, _, _ = await pd_flow(p.address, d.address, "restart-pd-1", tokens)
+        d.kill()
+        d.process.wait(timeout=30)
+        d = start_shim(tmp_path, "restart-d-2", "--role", "decode", "--port", port)
+        assert d.address.endswith(f":{port}")
+        second, prep, sent = await pd_flow(p.address, d.address, "restart-pd-2", tokens)
+    finally:
+        d.stop()
+    assert await logged_path(p, "restart-pd-1") == "shm-stream"
+    assert await logged_path(p, "restart-pd-2") == "shm-stream"
+    assert sent is not None and sent.num_tokens_sent == prep.end - prep.prefix_matched_length
+    assert first == second == expected
