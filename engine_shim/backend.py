@@ -3,7 +3,7 @@ and the shim-level results it returns. The servicer validates before calling any
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -169,6 +169,11 @@ class Backend(Protocol):
         """Receive tickets open on this shim's KV plane (PrepRecv reservations a push or
         write may fill, or filled and not yet taken by their start); None where KV reaches
         the engine another way. Read by the metrics thread: a length, no lock needed."""
+        ...
+
+    def kv_sends(self) -> Mapping[str, int] | None:
+        """RemoteSends this shim completed, by the path their KV took (`nixl`, `shm-stream`,
+        `shm`, `grpc`); None where KV moves another way. Read by the metrics thread."""
         ...
 
     def kv_transfer_servicer(self, on_hold: HoldListener | None = None) -> KVTransferService | None:

@@ -64,6 +64,15 @@ class _StatusCollector(Collector):
             yield _gauge("kv_receive_tickets", "Receive tickets open on the shim's KV plane: PrepRecv "
                          "reservations a push or write may fill, or filled and not yet taken by their start.",
                          tickets)
+        sends = self._backend.kv_sends()
+        if sends is not None:
+            family = CounterMetricFamily(
+                _PREFIX + "kv_sends", "RemoteSends this shim completed, by the path their KV took: "
+                "nixl, shm-stream (the receiver's stage, on its PushKVStream), shm (the stage, a "
+                "PushKV call each), grpc.", labels=["path"])
+            for path, count in sorted(sends.items()):
+                family.add_metric([path], count)
+            yield family
         yield from _kv_pages(status)
         yield from _prefix_cache(status)
         yield from _counters(status)

@@ -170,7 +170,18 @@ def test_receive_tickets_close_when_their_requests_end(stack: dict[str, Service]
                                           temperature=0, extra_body={"ignore_eos": True})
                 for i in range(64)))
 
+    def sends() -> dict[str, float]:
+        samples = scrape(metrics_url(stack["prefill"]))
+        return {dict(labels)["path"]: count for (name, labels), count in samples.items()
+                if name == "microserving_shim_kv_sends_total"}
+
+    sent_before = sends()
     asyncio.run(send_all())
+    sent = {path: count - sent_before.get(path, 0.0) for path, count in sends().items()}
+    # P counts its sends by the path their KV took (this stack's: NIXL where it loads, else the
+    # stage on D's stream); a request whose window D's prefix cache already holds sends none.
+    assert set(sent) <= {"nixl", "shm-stream", "shm", "grpc"}, sent
+    assert 0 < sum(sent.values()) <= 64, sent
     url = metrics_url(stack["decode"])
     deadline = time.monotonic() + 30  # the pushes' last steps trail the answers; generous under load
     while (open_tickets := value(scrape(url), "microserving_shim_kv_receive_tickets")) and time.monotonic() < deadline:

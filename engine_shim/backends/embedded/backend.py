@@ -5,13 +5,14 @@ into engine_shim.engine goes through this file."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import ipaddress
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
@@ -120,6 +121,7 @@ class EmbeddedBackend:
         self._peers = PeerChannels(settings.transport())
         self.kv_peers = PeerAllowList(settings.kv_peers, settings.kv_peer_ttl_s)
         self._address = ""
+        self._sends: collections.Counter[str] = collections.Counter()  # by path, for metrics
 
     @property
     def engine(self) -> AsyncEngine:
@@ -377,10 +379,12 @@ class EmbeddedBackend:
             stall_timeout_s=self._settings.kv_push_stall_timeout_s,
             streamed=streamed,
         )
+        path = "shm-stream" if streamed else "shm" if stage is not None else "grpc"
+        self._sends[path] += 1
         logger.info(
             "RemoteSend %s: %d tokens, %d bytes to %s in %.1f ms, path=%s",
             request_id, num_tokens, num_bytes, addr.address, (time.perf_counter() - started) * 1e3,
-            "shm-stream" if streamed else "shm" if stage is not None else "grpc",
+            path,
         )
         return SendResult(num_tokens, num_bytes, 0)
 
@@ -431,6 +435,7 @@ class EmbeddedBackend:
             request_id, num_tokens, num_bytes, addr.address, addr.kv_segments[0] if addr.kv_segments else 0,
             (time.perf_counter() - started) * 1e3, times,
         )
+        self._sends["nixl"] += 1
         return SendResult(num_tokens, num_bytes, 0)
 
     def _stage(self, addr: KVAddrInfo) -> torch.Tensor | None:
@@ -534,6 +539,9 @@ class EmbeddedBackend:
 
     def num_receive_tickets(self) -> int | None:
         return len(self._table)
+
+    def kv_sends(self) -> Mapping[str, int] | None:
+        return dict(self._sends)
 
     def tell_peers(self, addresses: Sequence[str]) -> None:
         self.kv_peers.tell(addresses)

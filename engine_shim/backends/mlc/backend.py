@@ -15,7 +15,7 @@ import base64
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -292,6 +292,9 @@ class MLCBackend:
 
     def num_receive_tickets(self) -> int | None:
         return None  # no KV plane here (kv_transfer_servicer)
+
+    def kv_sends(self) -> Mapping[str, int] | None:
+        return None  # MLC's engines move KV themselves
 
     async def status(self) -> EngineStatus:
         info = self.info
