@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -200,13 +201,27 @@ def compare_main(argv: list[str]) -> int:
     return 0
 
 
+def _interrupt_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM (a `timeout`, a job cancelled, a kill) ends a benchmark as Ctrl-C does, so its
+    stack is stopped on the way out: Python's default would end the process at once and
+    leave the services it started (each in a session of its own) running, and taking the
+    CPU from whatever is measured next."""
+    signal.raise_signal(signal.SIGINT)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else list(argv)
-    if args and args[0] in SUBCOMMANDS:
-        module_name, _, func_name = SUBCOMMANDS[args[0]].partition(":")
-        func = getattr(importlib.import_module(module_name), func_name or "main")
-        return int(func(args[1:]) or 0)
-    return bench_main(args)
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _interrupt_on_sigterm)
+    try:
+        if args and args[0] in SUBCOMMANDS:
+            module_name, _, func_name = SUBCOMMANDS[args[0]].partition(":")
+            func = getattr(importlib.import_module(module_name), func_name or "main")
+            return int(func(args[1:]) or 0)
+        return bench_main(args)
+    except KeyboardInterrupt:
+        print("microserving bench: interrupted (what it started has been stopped)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -203,3 +205,55 @@ def test_staggered_streams_start_apart() -> None:
     assert len(staggered) == len(together) == 4
     assert all(at >= 0.04 * index for index, at in enumerate(staggered))  # never early
     assert staggered[-1] - staggered[0] >= 0.11 and together[-1] - together[0] < 0.1
+
+
+def _children(pid: int) -> set[int]:
+    """The processes whose parent is `pid`."""
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_a_capacity_run_ended_by_sigterm_stops_its_stack(tmp_path: Path) -> None:
+    """`timeout` or a cancelled job SIGTERMs the benchmark: it stops the services it started
+    (before, they outlived it, each in a session of its own, taking the CPU from the next run)."""
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "microserving.cli", "bench", "capacity", "--toy", "--out", str(tmp_path),
+         "--patterns", "disagg", "--requests", "100000"],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 180
+        services: set[int] = set()
+        while len(services) < 4 and time.monotonic() < deadline:  # two shims, router, gateway
+            services = {pid for pid in _children(bench.pid)
+                        if "microserving.cli" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")}
+            time.sleep(0.2)
+        assert len(services) >= 4, services
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=120)
+        deadline = time.monotonic() + 30
+        while any(_is_running(pid) for pid in services) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        left = {pid for pid in services if _is_running(pid)}
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, "services outlived the benchmark"
