@@ -48,11 +48,16 @@ WAVE_A, WAVE_B = PROMPTS[:3], PROMPTS[3:]
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
     logs: Path = tmp_path_factory.mktemp("engine-death")
-    prefill, decode_a, decode_b = start_shims(logs, ["prefill", "decode", "decode"])
-    # Long health interval: only failed calls take the killed engine out of rotation.
+    # No status poll after the router's first (an hour apart, the KV peers it tells the shims
+    # kept as long): only failed calls take the killed engine out of rotation. With polls a
+    # minute apart, a loaded machine could take the test past the next one while the doomed
+    # engine was frozen: that poll failed, the engine left rotation, and no wave-B request
+    # could reach it (a CI run under load: "no request of wave B reached the frozen engine").
+    prefill, decode_a, decode_b = start_shims(logs, ["prefill", "decode", "decode"],
+                                              "--kv-peer-ttl-s", "3600")
     router = start_router(
         logs, [f"{prefill.address}=prefill", f"{decode_a.address}=decode", f"{decode_b.address}=decode"],
-        "--pattern", "disagg", "--health-interval-s", "60", "--inter-token-timeout-s", "20",
+        "--pattern", "disagg", "--health-interval-s", "3600", "--inter-token-timeout-s", "20",
     )
     services = {"prefill": prefill, "doomed": decode_a, "survivor": decode_b, "router": router}
     yield services
