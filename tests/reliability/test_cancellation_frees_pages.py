@@ -35,7 +35,9 @@ LONG_PROMPT = "cancel me please " * 100  # ~1,700 tokens: a prefill that takes a
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("cancellation")
-    prefill, decode = start_shims(logs, ["prefill", "decode"])
+    # The KV peers the router tells P outlive the test: with its polls a minute apart, a told
+    # peer lasting the default minute could lapse just before the next poll renewed it.
+    prefill, decode = start_shims(logs, ["prefill", "decode"], "--kv-peer-ttl-s", "3600")
     router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
                           "--pattern", "disagg", "--health-interval-s", "60")
     gateway = start_gateway(logs, router.address)

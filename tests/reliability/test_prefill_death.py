@@ -37,7 +37,9 @@ PROMPT = "a prompt long enough to span several KV pages of sixteen tokens each, 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Service]]:
     logs = tmp_path_factory.mktemp("prefill-death")
-    prefill, decode = start_shims(logs, ["prefill", "decode"])
+    # The KV peers the router tells P outlive the test: with its polls a minute apart, a told
+    # peer lasting the default minute could lapse just before the next poll renewed it.
+    prefill, decode = start_shims(logs, ["prefill", "decode"], "--kv-peer-ttl-s", "3600")
     router = start_router(logs, [f"{prefill.address}=prefill", f"{decode.address}=decode"],
                           "--pattern", "disagg", "--health-interval-s", "60")
     services = {"prefill": prefill, "decode": decode, "router": router}
