@@ -262,11 +262,15 @@ class PushStream:
         not_owed: Callable[[], None],
     ) -> engine_pb2.PushKVResponse:
         """One push of chunks already in the receiver's stage: the header, each chunk's
-        window as the engine exports it, then `end`; returns the receiver's
-        result. `owed` is called as each entry is handed to the stream and once the last is
-        out (the receiver owes the push), `not_owed` once an entry is written (the engine's
-        turn). Raises PushStreamError (the receiver's refusal), AioRpcError (the stream
-        broke) or what `chunks` raised; giving up writes `cancel`."""
+        window as the engine exports it, then `end`; returns the receiver's result. The
+        header's write is waited for (it claims the reservation before the engine computes);
+        the windows and `end` are queued without waiting, in order, so what the engine
+        exports back to back goes out in one message and nothing waits a writer's turn per
+        entry. `owed` is called as the header is handed to the stream and as `end` is (from
+        then the receiver owes the push: a receiver that stalled earlier is caught there),
+        `not_owed` once the header is written (the engine's turn). Raises PushStreamError
+        (the receiver's refusal), AioRpcError (the stream broke) or what `chunks` raised;
+        giving up writes `cancel`."""
         call = self._usable_call()
         push_id = next(self._ids)
         key = str(push_id)
@@ -276,15 +280,13 @@ class PushStream:
             await call.start(key, _entry(push_id, header=header), result)
             not_owed()
             async for chunk in chunks:
-                if result.future.done():  # refused early: what the engine still makes is moot
+                if result.future.done():  # refused early, or the stream broke: moot now
                     break
-                owed()
-                await call.write(_entry(push_id, chunk=engine_pb2.KVChunkData(
+                call.write_nowait(_entry(push_id, chunk=engine_pb2.KVChunkData(
                     begin=chunk.begin, num_tokens=chunk.num_tokens)))
-                not_owed()
             else:
                 owed()
-                await call.write(_entry(push_id, end=engine_pb2.KVPushEnd()))
+                call.write_nowait(_entry(push_id, end=engine_pb2.KVPushEnd()))
             entry = await result.future
         except BaseException:
             call.cancel(key, _entry(push_id, cancel=engine_pb2.KVPushCancel()))
