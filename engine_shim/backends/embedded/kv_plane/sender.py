@@ -152,15 +152,25 @@ class _Progress:
         self.error: BaseException | None = None
         self.receiver_owes_since: float | None = None
 
-    def owed(self, message: bytes) -> bytes:
-        self.receiver_owes_since = time.monotonic()
-        return message
-
     def owes(self) -> None:
         self.receiver_owes_since = time.monotonic()
 
+    def owed(self, message: bytes) -> bytes:
+        """`message`, which the receiver owes from now (until gRPC takes it)."""
+        self.owes()
+        return message
+
     def paid(self) -> None:
         self.receiver_owes_since = None
+
+
+def _header(addr: KVAddrInfo) -> engine_pb2.KVPushHeader:
+    """A push's header: the reservation `addr` names and its layout."""
+    return engine_pb2.KVPushHeader(
+        request_id=addr.request_id,
+        reservation_token=addr.reservation_token,
+        layout=layout_to_pb(addr.layout),
+    )
 
 
 async def _messages(
@@ -170,11 +180,7 @@ async def _messages(
     is_staged: bool,
     progress: _Progress,
 ) -> AsyncIterator[bytes]:
-    header = engine_pb2.KVPushHeader(
-        request_id=addr.request_id,
-        reservation_token=addr.reservation_token,
-        layout=layout_to_pb(addr.layout),
-    )
+    header = _header(addr)
     # gRPC takes the next message once the previous one is written (the receiver's flow
     # control lets it through): from each yield until then the receiver owes the push.
     yield progress.owed(engine_pb2.PushKVRequest(header=header).SerializeToString())
@@ -230,17 +236,13 @@ async def push_kv(
     except (aio.AioRpcError, asyncio.CancelledError) as error:
         # The watch cancels the call locally, which gRPC raises as CancelledError; one that
         # reaches this task from outside stays a cancellation.
-        stalled = watch is not None and watch.done() and not watch.cancelled() and watch.result()
-        task = asyncio.current_task()
-        if isinstance(error, asyncio.CancelledError) and (
-                not stalled or (task is not None and task.cancelling())):
+        stalled = _has_stalled(watch)
+        if isinstance(error, asyncio.CancelledError) and (not stalled or _is_cancelling()):
             raise
         if progress.error is not None:  # the engine failed first: its error, not the stall
             raise progress.error from None
         if stalled:
-            raise ReceiverUnavailableError(
-                f"KV push to {addr.address} failed: the receiver took nothing for "
-                f"{stall_timeout_s:g} s") from None
+            raise _stall_error(addr, stall_timeout_s) from None
         assert isinstance(error, aio.AioRpcError)
         error_type = PEER_ERRORS.get(error.code(), ReceiverUnavailableError)
         raise error_type(f"KV push to {addr.address} failed: {error.details()}") from None
@@ -262,13 +264,8 @@ async def _push_streamed(
 ) -> tuple[int, int]:
     """push_kv's staged push on the peer's PushKVStream, with the same bounds and errors."""
     progress = _Progress()
-    header = engine_pb2.KVPushHeader(
-        request_id=addr.request_id,
-        reservation_token=addr.reservation_token,
-        layout=layout_to_pb(addr.layout),
-    )
     body = asyncio.ensure_future(
-        peers.push_stream(addr.address).push(header, chunks, progress.owes, progress.paid))
+        peers.push_stream(addr.address).push(_header(addr), chunks, progress.owes, progress.paid))
     watch = None if stall_timeout_s is None else \
         asyncio.ensure_future(_watch_receiver(body, progress, stall_timeout_s))
     try:
@@ -277,13 +274,9 @@ async def _push_streamed(
     except asyncio.CancelledError:
         # The watch cancelled the push (a stall); one that reaches this task from outside
         # stays a cancellation.
-        stalled = watch is not None and watch.done() and not watch.cancelled() and watch.result()
-        task = asyncio.current_task()
-        if not stalled or (task is not None and task.cancelling()):
+        if not _has_stalled(watch) or _is_cancelling():
             raise
-        raise ReceiverUnavailableError(
-            f"KV push to {addr.address} failed: the receiver took nothing for "
-            f"{stall_timeout_s:g} s") from None
+        raise _stall_error(addr, stall_timeout_s) from None
     except TimeoutError:
         raise ReceiverUnavailableError(
             f"KV push to {addr.address} failed: not done within {timeout_s:g} s") from None
@@ -297,6 +290,22 @@ async def _push_streamed(
             watch.cancel()
         await _close(chunks)
     return response.num_tokens_written, response.num_bytes_written
+
+
+def _has_stalled(watch: asyncio.Future[bool] | None) -> bool:
+    """Whether the stall watch ended the push."""
+    return watch is not None and watch.done() and not watch.cancelled() and watch.result()
+
+
+def _is_cancelling() -> bool:
+    """Whether this task is being cancelled from outside (not by the watch)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _stall_error(addr: KVAddrInfo, stall_timeout_s: float | None) -> ReceiverUnavailableError:
+    return ReceiverUnavailableError(
+        f"KV push to {addr.address} failed: the receiver took nothing for {stall_timeout_s:g} s")
 
 
 async def _watch_receiver(
