@@ -4,24 +4,23 @@
 # after the KV lands, so each slow one should show in P's send (its phases: hold, claim,
 # transfer, confirmation, logged at INFO per RemoteSend) or in D's wait for it. Disagg at one
 # stream, 60 requests, two rounds, the shims at INFO; P's and D's logs kept. Either card.
-# Usage: source .gpuwhl/prep.sh; bash first.sh "$OUT"
+# Usage: source .gpuwhl/prep.sh; [ROUNDS=2 REQ=60] bash first.sh "$OUT"
 O=$1; mkdir -p "$O"; export PYTHONUNBUFFERED=1
 export PYTHONPATH=$PWD:/tmp/site MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$O/card.txt"
 timeout ${L_T:-400} python3 -m microserving.cli bench capacity --backend embedded \
   --model llama-1b --device cuda --input-len 256 --output-len 256 --alone-each-round \
-  --gateway-workers 4 --router-replicas 2 --patterns disagg --streams 1 --rounds 2 \
-  --requests-per-stream 60 --min-requests 60 --shim-arg=--log-level=INFO \
-  --out /tmp/r76 > "$O/second.log" 2>&1
+  --gateway-workers 4 --router-replicas 2 --patterns disagg --streams 1 --rounds ${ROUNDS:-2} \
+  --requests-per-stream ${REQ:-60} --min-requests ${REQ:-60} --shim-arg=--log-level=INFO \
+  --out "$O/bench" > "$O/second.log" 2>&1
 echo "rc=$?"; grep -h -E "^host at|round [0-9]+|^\| " "$O/second.log" | cut -c1-240
-python3 - /tmp/r76/cells.jsonl <<'PY'
+python3 - "$O/bench/cells.jsonl" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     c = json.loads(line)
     print(c["pattern"], c["streams"], c["round"], {k: round(c[k], 2) for k in (
         "ttft_added_p50_ms", "second_token_p50_ms", "second_token_p99_ms", "itl_p99_ms")})
 PY
-mkdir -p "$O/logs"; cp /tmp/r76/cells.jsonl "$O/" 2>/dev/null
-for f in /tmp/r76/logs/*shim*; do gzip -9c "$f" > "$O/logs/$(basename "$f").gz"; done
-grep -h "RemoteSend" /tmp/r76/logs/*prefill* 2>/dev/null | tail -5 | cut -c1-300
+grep -h "RemoteSend" "$O"/bench/logs/*prefill* 2>/dev/null | tail -5 | cut -c1-300
+gzip -9 "$O"/bench/logs/*.log  # the bench writes into $OUT as it goes: a call cut short keeps it
 echo "== end $(date +%T)"
