@@ -11,7 +11,13 @@ from typing import Any
 
 from bench.capacity import engine_steps
 from bench.capacity.client import LoadResult, LoadSpec, run_load
-from bench.capacity.cpu import machine_busy_s
+from bench.capacity.cpu import (
+    ProcessCpu,
+    busiest_others,
+    machine_busy_s,
+    machine_irq_s,
+    processes_cpu_s,
+)
 from bench.capacity.nominal import Nominal
 from bench.capacity.router_metrics import Snapshot as RouterSnapshot
 from bench.capacity.router_metrics import cell_summary, scrape
@@ -27,6 +33,9 @@ class _Snapshot:
     client_cpu_s: float
     routers: RouterSnapshot  # the routers' engine-call and first-token histograms, the gateway's
     engines: dict[str, engine_steps.Counters]  # each shim's engine steps, from its /metrics
+    others: dict[int, ProcessCpu]  # every process's CPU, for the busiest outside the stack
+    irq_s: float  # the machine's interrupt time (no process's counters hold it)
+    stack_groups: frozenset[int]  # the stack's process groups (and the load's own)
 
 
 def _snapshot(stack: Stack, client_cpu_s: Callable[[], float]) -> _Snapshot:
@@ -34,7 +43,8 @@ def _snapshot(stack: Stack, client_cpu_s: Callable[[], float]) -> _Snapshot:
     gateway = [] if stack.gateway_metrics_port is None else [stack.gateway_metrics_port]
     return _Snapshot(time.perf_counter(), stack.cpu_s(), machine_busy_s(), client_cpu_s(),
                      scrape([*stack.router_metrics_ports, *gateway]),
-                     engine_steps.scrape(stack.shim_metrics_ports))
+                     engine_steps.scrape(stack.shim_metrics_ports), processes_cpu_s(),
+                     machine_irq_s(), frozenset({*stack.process_groups(), os.getpgid(0)}))
 
 
 # A closed-loop load: (spec, at_edge) -> its result; run_load is the gateway's HTTP client.
@@ -117,8 +127,12 @@ def cell_figures(
         "cpu_cores": cores,
         "client_cpu_ms_per_1k_tokens": _per_1k(closed.client_cpu_s - opened.client_cpu_s, num_tokens),
         "machine_busy_cores": machine_cores,
-        # Busy cores that were neither the stack nor the client: other work on the machine.
+        # Busy cores that were neither the stack nor the client: other work on the machine,
+        # the busiest processes of it and the interrupts' share (loopback receive work).
         "other_busy_cores": machine_cores - sum(cores.values()) - client_cores,
+        "other_processes": busiest_others(opened.others, closed.others, window_s,
+                                          set(closed.stack_groups)),
+        "irq_cores": (closed.irq_s - opened.irq_s) / window_s,
         "load_avg_1m": os.getloadavg()[0],
         "window_s": window_s,
         "num_tokens": num_tokens,

@@ -322,6 +322,11 @@ def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]
           f"{cell['num_errors']} errors", file=sys.stderr, flush=True)
     for name, steps in (cell.get("engine_steps") or {}).items():
         print(f"    {name}: {_steps_text(steps)}", file=sys.stderr, flush=True)
+    others = cell.get("other_processes") or []
+    if others or (cell.get("irq_cores") or 0.0) >= 0.05:  # busy cores outside the stack
+        busiest = ", ".join(f"{o['name']} {o['cores']:.2f}" for o in others) or "no process"
+        print(f"    outside the stack and the client: {cell['other_busy_cores']:.2f} cores "
+              f"(interrupts {cell['irq_cores']:.2f}; {busiest})", file=sys.stderr, flush=True)
 
 
 def _keep_cell(out: Path, pattern: str, streams: int, round_index: int, cell: dict[str, Any],

@@ -54,3 +54,54 @@ def machine_busy_s() -> float:
     values = [int(v) for v in (_PROC / "stat").read_text().splitlines()[0].split()[1:]]
     idle = values[3] + values[4]  # idle + iowait
     return (sum(values[:8]) - idle) / _CLK_TCK
+
+
+# (command name, process group, start time in clock ticks, user + system seconds) of one
+# process; the start time tells a pid reused in the window (a kernel worker's name changes
+# with its work, so the name cannot).
+ProcessCpu = tuple[str, int, int, float]
+
+
+def processes_cpu_s() -> dict[int, ProcessCpu]:
+    """Every live process's CPU so far, by pid, in one pass over /proc: what a cell's busy
+    cores outside the stack and the client were (`other_processes`)."""
+    out: dict[int, ProcessCpu] = {}
+    for entry in _PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            text = (entry / "stat").read_text()
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        name = text[text.index("(") + 1 : text.rindex(")")]
+        fields = text[text.rindex(")") + 2 :].split()
+        out[int(entry.name)] = (name, int(fields[2]), int(fields[19]), _cpu_s(fields))
+    return out
+
+
+def machine_irq_s() -> float:
+    """Seconds the machine's CPUs spent serving hardware and software interrupts (/proc/stat
+    irq + softirq): busy time that no process's counters hold, such as the loopback network's
+    receive work done outside a process's own system calls."""
+    values = [int(v) for v in (_PROC / "stat").read_text().splitlines()[0].split()[1:]]
+    return (values[5] + values[6]) / _CLK_TCK
+
+
+def busiest_others(
+    opened: dict[int, ProcessCpu], closed: dict[int, ProcessCpu], window_s: float,
+    excluded_groups: set[int], top: int = 5, min_cores: float = 0.02,
+) -> list[dict[str, float | int | str]]:
+    """The processes outside `excluded_groups` (the stack's services, the load's own group)
+    that were busiest between the two snapshots: pid, name and cores, busiest first. A
+    process born in the window counts from zero."""
+    rows: list[dict[str, float | int | str]] = []
+    for pid, (name, pgid, started, cpu_after) in closed.items():
+        if pgid in excluded_groups:
+            continue
+        before = opened.get(pid)
+        cpu_before = before[3] if before is not None and before[2] == started else 0.0
+        cores = (cpu_after - cpu_before) / window_s
+        if cores >= min_cores:
+            rows.append({"pid": pid, "name": name, "cores": round(cores, 3)})
+    rows.sort(key=lambda row: -float(row["cores"]))
+    return rows[:top]

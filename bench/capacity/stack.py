@@ -67,6 +67,10 @@ class Stack:
     def cpu_s(self) -> dict[str, tuple[float, float]]:
         return {p.name: p.cpu_s() for p in self.processes}
 
+    def process_groups(self) -> list[int]:
+        """The services' process groups (each started in a session of its own)."""
+        return [p.service.process.pid for p in self.processes]
+
 
 def _shim_args(role: str, options: StackOptions) -> list[str]:
     args = ["shim", "--backend", options.backend, "--model", options.model, "--role", role,

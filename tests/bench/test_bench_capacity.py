@@ -61,6 +61,11 @@ def test_capacity_toy_run_reports_every_row(tmp_path: Path, topology: list[str])
         assert len(kept) == 1 and kept[0]["round"] == 0 and kept[0]["ab_value"] is None
         assert kept[0]["ttft_added_p50_ms"] == row["ttft_added_p50_ms"]
         assert kept[0]["client_tok_s"] == row["client_tok_s"]
+        # Busy cores outside the stack and the client: the interrupts' share and the busiest
+        # other processes (the exclusion itself: test_capacity_cpu.py).
+        assert kept[0]["irq_cores"] >= 0
+        assert all(set(other) == {"pid", "name", "cores"} and other["cores"] >= 0.02
+                   for other in kept[0]["other_processes"])
         assert 1 <= row["tokens_per_chunk"] <= TOY_OUTPUT_LEN
         shims = {"round-robin": {"shim-both"}, "disagg": {"shim-prefill", "shim-decode"}}[pattern]
         cpu = row["cpu_ms_per_1k_tokens"]
