@@ -3,7 +3,8 @@
 # trimmed) did disagg better than the current tree in both of two turns (0.92 / 0.90 against
 # 0.84 / 0.88 at 32 streams, D's PrepRecv half as long, 1-1.5 more busy cores with the
 # current tree outside the stack's own CPU). More turns, at 32 streams only, with a `top`
-# snapshot every 15 s (which processes and threads take the extra cores). Either card.
+# snapshot every 15 s (which processes and threads take the extra cores; the current tree's
+# bench also names them per cell: other_processes, irq_cores). Either card.
 # Usage: source .gpuwhl/prep.sh; bash first.sh "$OUT"   (carry .gpuwhl .gpunixl .oldtree)
 O=$1; mkdir -p "$O"; export PYTHONUNBUFFERED=1 MICROSERVING_SHIM_KV_CACHE_MEMORY_MB=16384
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$O/card.txt"
