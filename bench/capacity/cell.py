@@ -128,7 +128,7 @@ def cell_figures(
         "client_cpu_ms_per_1k_tokens": _per_1k(closed.client_cpu_s - opened.client_cpu_s, num_tokens),
         "machine_busy_cores": machine_cores,
         # Busy cores that were neither the stack nor the client: other work on the machine,
-        # the busiest processes of it and the interrupts' share (loopback receive work).
+        # the busiest processes of it, and the machine's interrupt time (machine_irq_s).
         "other_busy_cores": machine_cores - sum(cores.values()) - client_cores,
         "other_processes": busiest_others(opened.others, closed.others, window_s,
                                           set(closed.stack_groups)),
