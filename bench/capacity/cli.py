@@ -323,7 +323,7 @@ def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any]
     for name, steps in (cell.get("engine_steps") or {}).items():
         print(f"    {name}: {_steps_text(steps)}", file=sys.stderr, flush=True)
     others = cell.get("other_processes") or []
-    if others or (cell.get("irq_cores") or 0.0) >= 0.05:  # busy cores outside the stack
+    if others or cell["other_busy_cores"] >= 0.1:  # busy cores outside the stack and client
         busiest = ", ".join(f"{o['name']} {o['cores']:.2f}" for o in others) or "no process"
         print(f"    outside the stack and the client: {cell['other_busy_cores']:.2f} cores "
               f"(interrupts {cell['irq_cores']:.2f}; {busiest})", file=sys.stderr, flush=True)
