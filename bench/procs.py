@@ -17,6 +17,14 @@ from microserving.stack.process import LISTENING, ServiceProcess
 BASE_URL = re.compile(r"(?P<url>https?://[^\s]+/v1)\b")
 
 
+# A service's environment naming a source tree (a checkout or `git archive` of another
+# revision): the service runs that tree's code, started from its root, while the benchmark,
+# its load and its yardsticks stay this tree's. `bench capacity --ab-env
+# MICROSERVING_BENCH_SERVICE_TREE --ab-values DIR .` compares two revisions' services side by
+# side under one benchmark (two benchmarks of their own differ in more than the services).
+SERVICE_TREE_ENV = "MICROSERVING_BENCH_SERVICE_TREE"
+
+
 def start_service(
     name: str,
     args: list[str],
@@ -28,14 +36,34 @@ def start_service(
     env: dict[str, str] | None = None,
 ) -> ServiceProcess:
     """`python -m MODULE ARGS` in its own process group (environment: ours, or `env`); waits
-    until it prints its address."""
+    until it prints its address. With SERVICE_TREE_ENV set in that environment, MODULE is
+    that tree's (started from its root, which `-m` puts first on the path); paths in ARGS
+    must then be absolute."""
     log_dir.mkdir(parents=True, exist_ok=True)
+    environment = {**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"}
+    tree = service_tree(environment)
+    if tree is not None:
+        environment["PYTHONPATH"] = os.pathsep.join(
+            [str(tree), *filter(None, [environment.get("PYTHONPATH")])])
     service = ServiceProcess(
         name, [sys.executable, "-m", module, *args], log_path=log_dir / f"{name}.log",
-        pattern=pattern, env={**(os.environ if env is None else env), "PYTHONUNBUFFERED": "1"},
+        pattern=pattern, env=environment, cwd=tree,
     )
     service.wait_listening(timeout_s)
     return service
+
+
+def service_tree(env: dict[str, str]) -> Path | None:
+    """The source tree SERVICE_TREE_ENV names (resolved), or None; a ValueError where it
+    names no tree with the project's packages in it."""
+    value = env.get(SERVICE_TREE_ENV, "").strip()
+    if not value:
+        return None
+    tree = Path(value).resolve()
+    if not (tree / "microserving" / "cli.py").is_file():
+        raise ValueError(f"{SERVICE_TREE_ENV}={value}: no microserving/cli.py there (a checkout "
+                         "or `git archive` of the project is expected)")
+    return tree
 
 
 def stop_service(service: ServiceProcess, grace_s: float = 10.0) -> None:

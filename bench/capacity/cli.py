@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
+import re
 import signal
 import sys
 from dataclasses import asdict, replace
@@ -229,7 +231,7 @@ async def _pattern_rows(group: ServiceGroup, pattern: str, args: argparse.Namesp
         for value in _turns(values, round_index):
             if stack is None:
                 stack = await start_stack(group, pattern, options if value is None else replace(
-                    options, env=((args.ab_env, value),), label=f"-{value}-r{round_index}"))
+                    options, env=((args.ab_env, value),), label=f"-{_label(value)}-r{round_index}"))
             for streams in streams_list:
                 now = None if engine is None else _alone_now(engine, args, base_spec, streams, round_index)
                 for client_processes in _turns(clients, round_index):
@@ -306,6 +308,16 @@ def _with_staggered(row: dict[str, Any],
         row["alone_staggered_tok_s"] = staggered
         row["ratio_vs_staggered"] = row["client_tok_s"] / staggered if staggered else None
     return row
+
+
+def _label(value: str) -> str:
+    """An --ab-values value as part of a log file's name: as it is where it can be, else with
+    a path's separators and the like made '_' and a digest of the value after it (two values
+    never share a name)."""
+    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", value).strip("._")
+    if safe == value:
+        return value
+    return f"{safe}-{hashlib.sha1(value.encode()).hexdigest()[:8]}"
 
 
 def _progress(pattern: str, streams: int, round_index: int, cell: dict[str, Any],
