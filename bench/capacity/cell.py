@@ -34,7 +34,7 @@ class _Snapshot:
     routers: RouterSnapshot  # the routers' engine-call and first-token histograms, the gateway's
     engines: dict[str, engine_steps.Counters]  # each shim's engine steps, from its /metrics
     others: dict[int, ProcessCpu]  # every process's CPU, for the busiest outside the stack
-    irq_s: float  # the machine's interrupt time (no process's counters hold it)
+    irq_s: float  # the machine's interrupt time (cpu.machine_irq_s)
     stack_groups: frozenset[int]  # the stack's process groups (and the load's own)
 
 

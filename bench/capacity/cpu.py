@@ -11,13 +11,20 @@ _CLK_TCK = os.sysconf("SC_CLK_TCK")
 _PROC = Path("/proc")
 
 
-def _stat_fields(path: Path) -> list[str] | None:
-    """Fields after the command name (which may hold spaces): state is [0], utime [11]."""
+def _stat(path: Path) -> tuple[str, list[str]] | None:
+    """The command name (which may hold spaces) and the fields after it: state is [0],
+    process group [2], utime [11], start time [19]; None once the process or thread is gone."""
     try:
         text = path.read_text()
     except (FileNotFoundError, ProcessLookupError, PermissionError):
-        return None  # the process or thread is gone
-    return text[text.rindex(")") + 2 :].split()
+        return None
+    end = text.rindex(")")
+    return text[text.index("(") + 1 : end], text[end + 2 :].split()
+
+
+def _stat_fields(path: Path) -> list[str] | None:
+    stat = _stat(path)
+    return None if stat is None else stat[1]
 
 
 def _cpu_s(fields: list[str]) -> float:
@@ -49,9 +56,15 @@ def thread_cpu_s(tid: int) -> float:
     return 0.0 if fields is None else _cpu_s(fields)
 
 
+def _machine_ticks() -> list[int]:
+    """/proc/stat's first line, all cores added: user, nice, system, idle, iowait, irq,
+    softirq, steal, ... in clock ticks."""
+    return [int(v) for v in (_PROC / "stat").read_text().splitlines()[0].split()[1:]]
+
+
 def machine_busy_s() -> float:
     """Non-idle CPU seconds of the machine, all cores added (from /proc/stat)."""
-    values = [int(v) for v in (_PROC / "stat").read_text().splitlines()[0].split()[1:]]
+    values = _machine_ticks()
     idle = values[3] + values[4]  # idle + iowait
     return (sum(values[:8]) - idle) / _CLK_TCK
 
@@ -69,13 +82,10 @@ def processes_cpu_s() -> dict[int, ProcessCpu]:
     for entry in _PROC.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            text = (entry / "stat").read_text()
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
-            continue
-        name = text[text.index("(") + 1 : text.rindex(")")]
-        fields = text[text.rindex(")") + 2 :].split()
-        out[int(entry.name)] = (name, int(fields[2]), int(fields[19]), _cpu_s(fields))
+        stat = _stat(entry / "stat")
+        if stat is not None:
+            name, fields = stat
+            out[int(entry.name)] = (name, int(fields[2]), int(fields[19]), _cpu_s(fields))
     return out
 
 
@@ -85,7 +95,7 @@ def machine_irq_s() -> float:
     interrupt time apart (CONFIG_IRQ_TIME_ACCOUNTING) no process's counters hold it, so it is
     part of the busy cores outside the stack; elsewhere it is also in the process it
     interrupted (on the development VM: other_busy_cores about 0 with irq_cores 0.06)."""
-    values = [int(v) for v in (_PROC / "stat").read_text().splitlines()[0].split()[1:]]
+    values = _machine_ticks()
     return (values[5] + values[6]) / _CLK_TCK
 
 
